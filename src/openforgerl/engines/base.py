@@ -1,0 +1,92 @@
+"""The one protocol every inference engine implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Sampling actually used for one generation (after the run's policy was applied)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """The ids the engine sampled, their logprobs and the policy version that sampled them.
+
+    `logprobs[i]` is the log-probability of `completion_ids[i]` under the sampling distribution
+    (logits / temperature, before top-p truncation); with temperature 1 this is the model's own
+    distribution, which is what an RL trainer recomputes.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    # The stop string or stop token that ended generation, when one did.
+    stop_reason: str | int | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """The engine failed this request (a bug or a bad request the engine refused)."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot be reached or is not ready; the caller should retry later."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineOverloaded(EngineError):
+    """More requests are queued than the engine accepts; the caller should back off."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ContextLengthExceeded(EngineError, ValueError):
+    """The prompt leaves no room for even one completion token in the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_context: int) -> None:
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens leaves no room in a context of {max_context} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """generate(prompt_ids, sampling) -> completion ids, logprobs, finish reason, policy version.
+
+    Cancelling the awaiting task aborts the generation (a client disconnected).
+    """
+
+    name: str
+
+    @property
+    def policy_version(self) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult: ...
+
+    async def load_weights(self, path: str) -> int:
+        """Load new weights in place; returns the new policy version."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,506 @@
+"""An in-process engine: any Hugging Face causal LM, continuously batched on one worker thread.
+
+All torch work runs on a single worker thread, so the event loop never blocks and torch's intra-op
+pool (torch.get_num_threads()) is used by one caller at a time. Requests wait in a queue; at every
+step boundary the worker prefills newly arrived prompts, merges them into the running batch (left
+padding, a shared DynamicCache) and decodes one token for every row. Rows that finish or whose
+caller went away are dropped from the cache before the next step.
+
+Seeded requests sample with their own torch.Generator, so their draws do not depend on batch mates.
+Batched float arithmetic can still differ from a solo run in the last bits of the logits; a sample
+whose uniform draw lands within that distance of a boundary could flip, which in practice is never.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
+
+from openforgerl.engines.base import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    FinishReason,
+    GenerateResult,
+    SamplingParams,
+)
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    # sampling.max_tokens clamped to the room left in the context.
+    max_tokens: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[GenerateResult]
+    generator: torch.Generator | None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    # Set from the event loop when the caller is cancelled; read by the worker at the next step.
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class _Batch:
+    rows: list[_Request]
+    cache: DynamicCache
+    # (B, L): 1 where the cache holds a real token, 0 for left padding; L is the cache length.
+    mask: torch.Tensor
+    # (B,): the ids sampled last step (not in the cache yet) and their positions.
+    next_ids: torch.Tensor
+    next_pos: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Swap:
+    state: dict[str, torch.Tensor]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[int]
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: object) -> None:
+    """Resolve `future` on its own loop from the worker thread; exceptions are set, not returned."""
+
+    def resolve() -> None:
+        if future.done():  # the awaiting task was cancelled
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    # F.pad lists (left, right) pairs starting from the last dimension.
+    pads = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [n, 0]
+    return F.pad(t, pads)
+
+
+def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+class TransformersEngine:
+    """The Engine protocol over a local HF causal-LM directory (CPU or CUDA).
+
+    `max_queue` bounds the requests waiting for a batch slot (not those already decoding).
+    """
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_batch_size: int = 16,
+        max_queue: int = 256,
+        batch_wait_ms: float = 2.0,
+        max_context: int | None = None,
+    ) -> None:
+        if max_batch_size < 1 or max_queue < 1:
+            raise ValueError("max_batch_size and max_queue must be at least 1")
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        # float32 on CPU (bf16 matmuls there are slow and lossy); the checkpoint's own dtype on GPU.
+        self.dtype: torch.dtype | str = dtype or (torch.float32 if self.device.type == "cpu" else "auto")
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.batch_wait = batch_wait_ms / 1000.0
+
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        text_config = self.config.get_text_config()
+        self._max_context = max_context or int(text_config.max_position_embeddings)
+        self.vocab_size = int(text_config.vocab_size)
+        self.eos_token_ids = self._find_eos_ids()
+
+        self.stats: dict[str, int] = {
+            "batches": 0,  # prefill passes (each starts or joins rows)
+            "steps": 0,  # forward passes of any kind
+            "max_batch_size": 0,
+            "requests": 0,
+            "joined": 0,  # requests merged into an already running batch
+            "cancelled": 0,  # rows dropped because their caller went away
+            "running": 0,  # rows in the batch after the last step
+            "tokens": 0,
+        }
+        self._model: Any = None
+        # Continuous joins pad caches on the left, which only plain full-attention layers allow.
+        self._mergeable = False
+        self._version = 0
+        self._cond = threading.Condition()
+        self._pending: deque[_Request] = deque()
+        self._swap: _Swap | None = None
+        self._swap_lock = asyncio.Lock()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def _find_eos_ids(self) -> frozenset[int]:
+        try:
+            eos: Any = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        if eos is None:
+            eos = self.config.get_text_config().eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        model = await asyncio.to_thread(
+            lambda: AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+            .to(self.device)
+            .eval()
+        )
+        self._model = model
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._mergeable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+        self._closing = False
+        self._thread = threading.Thread(target=self._worker, name="transformers-engine", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Stop the worker; running and queued requests end with finish_reason "abort"."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def _check_running(self) -> None:
+        if self._thread is None or self._closing:
+            raise EngineUnavailable("transformers engine is not running")
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        self._check_running()
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise EngineError(f"prompt ids must lie in [0, {self.vocab_size})")
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.max_tokens < 1:
+            raise EngineError(f"invalid sampling parameters: {sampling}")
+        room = self._max_context - len(prompt_ids)
+        if room < 1:
+            raise ContextLengthExceeded(len(prompt_ids), self._max_context)
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        loop = asyncio.get_running_loop()
+        req = _Request(
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            max_tokens=min(sampling.max_tokens, room),
+            loop=loop,
+            future=loop.create_future(),
+            generator=generator,
+        )
+        with self._cond:
+            if self._closing:
+                raise EngineUnavailable("transformers engine is closing")
+            if len(self._pending) >= self.max_queue:
+                raise EngineOverloaded(f"{len(self._pending)} requests already queued")
+            self._pending.append(req)
+            self._cond.notify()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True
+            with self._cond:
+                if req in self._pending:
+                    self._pending.remove(req)
+            raise
+
+    async def load_weights(self, path: str) -> int:
+        """Copy a save_pretrained checkpoint's weights into the model once no row is mid-generation.
+
+        While a swap waits, new requests stay queued and running rows finish, so every result's
+        tokens come from one policy version.
+        """
+        self._check_running()
+        state = await asyncio.to_thread(self._validated_state, path)
+        loop = asyncio.get_running_loop()
+        async with self._swap_lock:
+            swap = _Swap(state=state, loop=loop, future=loop.create_future())
+            with self._cond:
+                if self._closing:
+                    raise EngineUnavailable("transformers engine is closing")
+                self._swap = swap
+                self._cond.notify()
+            return await swap.future
+
+    def _validated_state(self, path: str) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors, checked against the model so a swap never half-applies."""
+        state = _read_state_dict(path)
+        params = self._model.state_dict()
+        unexpected = sorted(set(state) - set(params))
+        if unexpected:
+            raise EngineError(f"checkpoint {path} has tensors the model lacks: {unexpected[:5]}")
+        # Tied weights (e.g. lm_head = embed_tokens) are saved once; they share storage in the model.
+        loaded_ptrs = {params[k].data_ptr() for k in state}
+        missing = sorted(k for k in set(params) - set(state) if params[k].data_ptr() not in loaded_ptrs)
+        if missing:
+            raise EngineError(f"checkpoint {path} lacks tensors: {missing[:5]}")
+        for k, t in state.items():
+            if t.shape != params[k].shape:
+                raise EngineError(f"checkpoint {path}: {k} has shape {tuple(t.shape)}, want {params[k].shape}")
+        return state
+
+    # ---- worker thread -------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        batch: _Batch | None = None
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._pending or batch or self._swap or self._closing):
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    if batch is None and self._pending and not self._swap:
+                        self._wait_for_company()
+                    swap = self._swap if batch is None else None
+                    admit: list[_Request] = []
+                    if self._swap is None and (batch is None or self._mergeable):
+                        free = self.max_batch_size - (len(batch.rows) if batch else 0)
+                        while self._pending and len(admit) < free:
+                            admit.append(self._pending.popleft())
+                if swap is not None:
+                    self._apply_swap(swap)
+                    continue
+                try:
+                    if admit:
+                        joined = self._prefill(admit)
+                        if batch is None:
+                            batch = joined
+                        elif joined is not None:
+                            self.stats["joined"] += len(joined.rows)
+                            batch = self._merge(batch, joined)
+                    if batch is not None:
+                        batch = self._decode(batch)
+                except Exception as e:
+                    rows = (batch.rows if batch else []) + admit
+                    for row in {id(r): r for r in rows}.values():
+                        if not row.done:
+                            _deliver(row.loop, row.future, EngineError(f"generation failed: {e!r}"))
+                    batch = None
+                    self.stats["running"] = 0
+        self._abort_all(batch)
+
+    def _wait_for_company(self) -> None:
+        """Hold a fresh batch back briefly so requests arriving together are prefilled together."""
+        deadline = time.monotonic() + self.batch_wait
+        while len(self._pending) < self.max_batch_size and not self._closing and not self._swap:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _abort_all(self, batch: _Batch | None) -> None:
+        with self._cond:
+            rows = (batch.rows if batch else []) + list(self._pending)
+            self._pending.clear()
+            swap, self._swap = self._swap, None
+        for row in rows:
+            self._finish(row, "abort", None)
+        if swap is not None:
+            _deliver(swap.loop, swap.future, EngineUnavailable("engine closed before the weights loaded"))
+
+    def _apply_swap(self, swap: _Swap) -> None:
+        try:
+            params = self._model.state_dict()
+            for name, tensor in swap.state.items():
+                params[name].copy_(tensor)
+            self._version += 1
+            result: object = self._version
+        except Exception as e:
+            result = EngineError(f"loading weights failed: {e!r}")
+        with self._cond:
+            self._swap = None
+        _deliver(swap.loop, swap.future, result)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> Any:
+        self.stats["steps"] += 1
+        self.stats["max_batch_size"] = max(self.stats["max_batch_size"], ids.shape[0])
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def _prefill(self, reqs: list[_Request]) -> _Batch | None:
+        reqs = [r for r in reqs if not r.cancelled]
+        if not reqs:
+            return None
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(reqs)
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs], device=self.device
+        )
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self._model.config)
+        logits = self._forward(ids, mask, pos, cache)
+        lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        # next_ids is filled in by _sample_step.
+        batch = _Batch(rows=reqs, cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=lengths)
+        return self._sample_step(batch, logits)
+
+    def _decode(self, batch: _Batch) -> _Batch | None:
+        pruned = self._prune(batch)  # callers that went away since the last step
+        if pruned is None:
+            return None
+        batch = pruned
+        mask = F.pad(batch.mask, (0, 1), value=1)
+        logits = self._forward(batch.next_ids[:, None], mask, batch.next_pos[:, None], batch.cache)
+        batch.mask = mask
+        batch.next_pos = batch.next_pos + 1
+        return self._sample_step(batch, logits)
+
+    def _sample_step(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
+        ids, logprobs = self._sample(batch.rows, logits)
+        self.stats["tokens"] += len(ids)
+        for row, tok, lp in zip(batch.rows, ids, logprobs, strict=True):
+            row.completion_ids.append(tok)
+            row.logprobs.append(lp)
+            self._check_finished(row, tok)
+        batch.next_ids = torch.tensor(ids, device=self.device)
+        return self._prune(batch)
+
+    def _sample(self, rows: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Sample each row's next id; logprobs are under logits / T (raw logits when T == 0)."""
+        logits = logits.float()
+        temps = torch.tensor([r.sampling.temperature or 1.0 for r in rows], device=logits.device)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        ids = logp.argmax(-1)
+        sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0]
+        if sampled:
+            probs = logp[sampled].exp()
+            top_p = torch.tensor([rows[i].sampling.top_p for i in sampled], device=logits.device)
+            if bool((top_p < 1).any()):
+                sorted_p, order = probs.sort(-1, descending=True)
+                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+                drop = (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) & (top_p[:, None] < 1)
+                probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+            for j, i in enumerate(sampled):
+                ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        chosen = logp.gather(-1, ids[:, None]).squeeze(-1)
+        return ids.tolist(), chosen.tolist()
+
+    def _check_finished(self, row: _Request, tok: int) -> None:
+        if tok in row.sampling.stop_token_ids:
+            self._finish(row, "stop", tok)
+        elif tok in self.eos_token_ids:
+            self._finish(row, "stop", None)
+        elif row.sampling.stop and (stop := self._stop_string(row)) is not None:
+            self._finish(row, "stop", stop)
+        elif len(row.completion_ids) >= row.max_tokens:
+            self._finish(row, "length", None)
+
+    def _stop_string(self, row: _Request) -> str | None:
+        """The stop string that the newest token completed, if any (earliest in the text wins).
+
+        The whole completion is decoded each step because a token can finish a multi-byte character
+        that an earlier decode showed as a replacement character.
+        """
+        text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=False)
+        hits = [(pos, s) for s in row.sampling.stop if (pos := text.find(s)) >= 0]
+        return min(hits)[1] if hits else None
+
+    def _finish(self, row: _Request, reason: FinishReason, stop_reason: str | int | None) -> None:
+        row.done = True
+        result = GenerateResult(
+            completion_ids=row.completion_ids,
+            logprobs=row.logprobs,
+            finish_reason=reason,
+            policy_version=self._version,
+            stop_reason=stop_reason,
+            extra={"prompt_tokens": len(row.prompt_ids)},
+        )
+        _deliver(row.loop, row.future, result)
+
+    def _prune(self, batch: _Batch) -> _Batch | None:
+        """Drop finished and cancelled rows from every tensor, and padding no remaining row needs."""
+        keep = [i for i, r in enumerate(batch.rows) if not (r.done or r.cancelled)]
+        self.stats["cancelled"] += sum(r.cancelled and not r.done for r in batch.rows)
+        self.stats["running"] = len(keep)
+        if not keep:
+            return None
+        if len(keep) < len(batch.rows):
+            index = torch.tensor(keep, device=self.device)
+            batch.cache.batch_select_indices(index)
+            batch.rows = [batch.rows[i] for i in keep]
+            batch.mask = batch.mask[index]
+            batch.next_ids = batch.next_ids[index]
+            batch.next_pos = batch.next_pos[index]
+            if self._mergeable:
+                # Leading columns that are padding in every remaining row would cost every later step.
+                lead = int(batch.mask.any(0).int().argmax())
+                if lead:
+                    for layer in batch.cache.layers:
+                        layer.keys = layer.keys[..., lead:, :]
+                        layer.values = layer.values[..., lead:, :]
+                    batch.mask = batch.mask[:, lead:]
+        return batch
+
+    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
+        """Stack two batches, left-padding the shorter cache so real tokens stay right-aligned."""
+        width = max(a.mask.shape[1], b.mask.shape[1])
+        pad_a, pad_b = width - a.mask.shape[1], width - b.mask.shape[1]
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            la.keys = torch.cat([_pad_left(la.keys, pad_a, -2), _pad_left(lb.keys, pad_b, -2)])
+            la.values = torch.cat([_pad_left(la.values, pad_a, -2), _pad_left(lb.values, pad_b, -2)])
+        a.rows = a.rows + b.rows
+        a.mask = torch.cat([_pad_left(a.mask, pad_a, -1), _pad_left(b.mask, pad_b, -1)])
+        a.next_ids = torch.cat([a.next_ids, b.next_ids])
+        a.next_pos = torch.cat([a.next_pos, b.next_pos])
+        return a

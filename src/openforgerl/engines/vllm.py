@@ -1,0 +1,349 @@
+"""A remote vLLM server (its OpenAI-compatible HTTP API) as an Engine.
+
+Generation goes through `POST /v1/completions` with the prompt as token ids, so the server never
+re-tokenizes anything, and `return_token_ids` + `logprobs: 0` return the exact ids vLLM sampled with
+the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests/test_vllm_engine.py):
+
+- `choices[0].token_ids` and `choices[0].logprobs.token_logprobs` are aligned, one entry per sampled id.
+- EOS: when vLLM stops on the tokenizer's EOS, the EOS id *is* the last entry of `token_ids` (with its
+  logprob); `finish_reason` is "stop" and `stop_reason` is null. This engine records the EOS id as
+  `GenerateResult.stop_reason`. (Extra EOS ids from `generation_config.json` are treated by vLLM as
+  stop token ids: they come back as `stop_reason`.)
+- `stop_token_ids`: the stop id is the last entry of `token_ids`; `stop_reason` is that id.
+- `stop` strings: `token_ids` keep the whole token that completed the stop string (only the text is cut,
+  and `include_stop_str_in_output` keeps the stop string in it); `stop_reason` is the string.
+- Closing the HTTP connection aborts the request in vLLM (it watches for the client's disconnect), so
+  cancelling the task awaiting `generate` frees the server's slot at once.
+- Logprobs follow the server's `--logprobs-mode`; the default `raw_logprobs` is the model's own
+  distribution (temperature 1, before any processing). `processed_logprobs` applies temperature and
+  top-k/top-p. With temperature 1 and top_p 1 the two agree.
+
+Weight updates (`load_weights`) use `POST /collective_rpc` with `reload_weights`, an endpoint vLLM only
+serves when started with `VLLM_SERVER_DEV_MODE=1`. A reload from a path that does not hold weights
+shut the whole vLLM 0.32 server down in a trial, so paths are checked locally first when the server is
+on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from openforgerl.engines.base import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    FinishReason,
+    GenerateResult,
+    SamplingParams,
+)
+
+# vLLM's prompt-too-long refusals (renderer and serving checks): (prompt tokens, max context).
+_CONTEXT_ERRORS = (
+    re.compile(r"maximum context length is (?P<max>\d+) tokens.*?prompt contains (?:at least )?(?P<n>\d+)"),
+    re.compile(r"Input length \((?P<n>\d+)\) exceeds model's maximum context length \((?P<max>\d+)\)"),
+)
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _retry_after(response: httpx.Response, default: float = 1.0) -> float:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError:  # an HTTP date: not worth parsing, the default is as good a hint
+        return default
+
+
+def _error_message(response: httpx.Response) -> str:
+    """vLLM's error body is {"error": {"message": ...}} (older: {"message": ...}); fall back to text."""
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("message"), str):
+            return body["message"]
+        if isinstance(body.get("detail"), str):
+            return body["detail"]
+    return response.text[:500]
+
+
+def _context_error(message: str) -> ContextLengthExceeded | None:
+    for pattern in _CONTEXT_ERRORS:
+        m = pattern.search(message)
+        if m:
+            return ContextLengthExceeded(int(m["n"]), int(m["max"]))
+    return None
+
+
+def _is_local(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_weights_dir(path: str) -> None:
+    """Refuse a path that holds no weight files (a bad reload can take an inference server down)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise EngineError(f"weights path {path!r} is not a directory")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")) and not any(p.glob("*.pt")):
+        raise EngineError(f"weights path {path!r} holds no *.safetensors, *.bin or *.pt files")
+
+
+class VLLMEngine:
+    """Engine over a running vLLM OpenAI-compatible server (`vllm serve`, or its api_server module).
+
+    Args:
+        base_url: the server's root, e.g. "http://127.0.0.1:8000" (no "/v1").
+        model: the served model name; discovered from `GET /v1/models` when None.
+        max_context: the server's context length (`--max-model-len`); read from `GET /v1/models` when
+            None. `max_tokens` is clamped to the room the prompt leaves, as the built-in engine does,
+            and a prompt that leaves none raises ContextLengthExceeded without a round trip.
+        api_key: sent as a bearer token when the server was started with `--api-key`.
+        request_timeout: seconds one generation may take before the engine is deemed unavailable.
+        start_timeout: seconds `start()` waits for `GET /health` to answer 200.
+        policy_version: the version of the weights the server starts with.
+        extra_body: extra fields merged into every completion request (e.g. {"top_k": 50}); they change
+            the sampling distribution, so set only what the recorded data should reflect.
+        check_weights_path: check `load_weights` paths on this machine; None = only when the server's
+            address is a loopback one (its filesystem is then this machine's).
+        client: an httpx.AsyncClient to use instead of one owned by the engine (it is not closed).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        max_context: int | None = None,
+        api_key: str | None = None,
+        request_timeout: float = 600.0,
+        start_timeout: float = 240.0,
+        policy_version: int = 0,
+        extra_body: Mapping[str, Any] | None = None,
+        check_weights_path: bool | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_context = max_context
+        self.start_timeout = start_timeout
+        self.extra_body = dict(extra_body or {})
+        self.check_weights_path = (
+            _is_local(self.base_url) if check_weights_path is None else check_weights_path
+        )
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._owns_client = client is None
+        # No connection-pool cap: the gateway bounds concurrency; vLLM batches whatever it gets.
+        self._client = client or httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(request_timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._version = policy_version
+        self._reloading = 0  # reloads in flight: a generation overlapping one is marked in `extra`
+        self._reload_lock = asyncio.Lock()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def _url(self, path: str) -> str:
+        # A caller-supplied client may have no base_url.
+        return f"{self.base_url}{path}"
+
+    async def start(self) -> None:
+        """Wait until the server answers `/health`, then learn the served model name if not given."""
+        deadline = time.monotonic() + self.start_timeout
+        last = "no answer yet"
+        while True:
+            try:
+                r = await self._client.get(self._url("/health"), timeout=5.0)
+                if r.status_code == 200:
+                    break
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(
+                    f"vLLM server at {self.base_url} was not healthy within {self.start_timeout:.0f} s "
+                    f"(last: {last}); is it running, and has it finished loading the model?"
+                )
+            await asyncio.sleep(0.5)
+        if self.model is None or self.max_context is None:
+            await self._discover_model()
+
+    async def _discover_model(self) -> None:
+        r = await self._request("GET", "/v1/models", timeout=10.0)
+        data = orjson.loads(r.content).get("data") or []
+        if not data:
+            raise EngineError(f"vLLM server at {self.base_url} serves no model")
+        entry = next((d for d in data if d.get("id") == self.model), data[0])
+        self.model = str(entry["id"])
+        if self.max_context is None and isinstance(entry.get("max_model_len"), int):
+            self.max_context = entry["max_model_len"]
+
+    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One HTTP call; transport failures (refused, reset, timed out) mean the server is unavailable."""
+        try:
+            return await self._client.request(method, self._url(path), **kw)
+        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+            raise EngineUnavailable(f"vLLM at {self.base_url}: {type(e).__name__}: {e}") from e
+
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One HTTP call with vLLM's error statuses mapped onto the engine errors."""
+        r = await self._send(method, path, **kw)
+        if r.status_code < 400:
+            return r
+        msg = f"vLLM {method} {path} -> HTTP {r.status_code}: {_error_message(r)}"
+        if r.status_code == 429:
+            raise EngineOverloaded(msg, retry_after=_retry_after(r))
+        if r.status_code >= 500:
+            # vLLM answers 500 when its engine core has died and 503 while it is not ready.
+            raise EngineUnavailable(msg, retry_after=_retry_after(r))
+        too_long = _context_error(msg) if r.status_code == 400 else None
+        if too_long is not None:
+            raise too_long
+        raise EngineError(msg)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        if self.model is None:
+            await self._discover_model()
+        max_tokens = sampling.max_tokens
+        if self.max_context is not None:
+            room = self.max_context - len(prompt_ids)
+            if room <= 0:
+                raise ContextLengthExceeded(len(prompt_ids), self.max_context)
+            max_tokens = min(max_tokens, room)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        body.update(self.extra_body)
+
+        version, reloading = self._version, self._reloading
+        # Cancelling this await closes the connection; vLLM aborts the request on the disconnect.
+        r = await self._request(
+            "POST",
+            "/v1/completions",
+            content=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            choice = orjson.loads(r.content)["choices"][0]
+            ids: list[int] = choice["token_ids"]
+            logprobs: list[float | None] = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            raw_finish = choice.get("finish_reason")
+            stop_reason = choice.get("stop_reason")
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise EngineError(f"vLLM returned an unexpected completion body: {r.text[:300]}") from e
+        if ids is None:
+            raise EngineError("vLLM returned no token_ids (a vLLM too old for `return_token_ids`?)")
+        if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
+            raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} token ids")
+        finish = _FINISH.get(raw_finish or "", "abort")
+        if finish == "stop" and stop_reason is None and ids:
+            # vLLM's stop on EOS: the EOS id is the last sampled id (and its stop_reason is null).
+            stop_reason = ids[-1]
+        extra: dict[str, object] = {}
+        if raw_finish not in _FINISH:
+            extra["vllm_finish_reason"] = raw_finish
+        if reloading or self._reloading or version != self._version:
+            # Weights changed while this was generating: its tokens may come from two versions.
+            extra["policy_version_end"] = self._version
+        return GenerateResult(
+            completion_ids=ids,
+            logprobs=[float(lp) for lp in logprobs if lp is not None],
+            finish_reason=finish,
+            policy_version=version,
+            stop_reason=stop_reason,
+            extra=extra,
+        )
+
+    async def load_weights(self, path: str) -> int:
+        """Reload the server's weights from `path` (a directory on the server's filesystem).
+
+        Needs the server started with VLLM_SERVER_DEV_MODE=1 (for `/collective_rpc`). The prefix cache
+        is reset afterwards so no KV computed with the old weights is reused.
+        """
+        if self.check_weights_path:
+            check_weights_dir(path)
+        async with self._reload_lock:
+            self._reloading += 1
+            try:
+                body = {"method": "reload_weights", "kwargs": {"weights_path": os.fspath(path)}}
+                r = await self._send("POST", "/collective_rpc", json=body)
+                if r.status_code == 404:
+                    raise EngineError(
+                        f"vLLM at {self.base_url} serves no /collective_rpc: start it with "
+                        "VLLM_SERVER_DEV_MODE=1"
+                    )
+                if r.status_code >= 400:
+                    # The server answered, so the reload itself failed (a 5xx here may mean it is dying).
+                    raise EngineError(f"vLLM failed to reload weights from {path!r}: {_error_message(r)}")
+                self._version += 1
+                await self._reset_prefix_cache()
+            finally:
+                self._reloading -= 1
+        return self._version
+
+    async def _reset_prefix_cache(self) -> None:
+        # Running requests hold cache blocks and make a plain reset fail; `reset_running_requests`
+        # preempts them (they resume, recomputing their KV with the new weights).
+        for _ in range(20):
+            r = await self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+            try:
+                answer = orjson.loads(r.content) if r.content else {}
+            except orjson.JSONDecodeError:
+                answer = {}
+            # Older vLLMs answer an empty 200; newer ones {"success": bool}.
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            await asyncio.sleep(0.25)
+        raise EngineError(
+            f"vLLM reloaded weights (policy version {self._version}) but refused to reset its prefix cache"
+        )
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()

@@ -1,0 +1,427 @@
+"""The gateway's HTTP surface: the admin API and each dialect's routes (Starlette, ASGI)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import math
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Session
+from openforgerl.gateway.dialects import openai_chat
+from openforgerl.gateway.errors import GatewayError, bad_request, unauthorized
+
+KEEPALIVE_S = 10.0  # SSE comment while the engine works, so idle-timeouts in clients don't fire
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return content if isinstance(content, bytes) else orjson.dumps(content)
+
+
+def api_key_of(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return (
+        request.headers.get("x-api-key")
+        or request.headers.get("x-goog-api-key")
+        or request.query_params.get("key")
+        or None
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    too_large = GatewayError(
+        413, f"The request body exceeds the gateway's limit of {limit} bytes.", kind="too_large"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Returns when the client disconnects (the body has already been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(receive: Receive, work: Awaitable[CallOutcome]) -> CallOutcome | None:
+    """Run `work`; cancel it (which aborts the generation) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+class SSEResponse(Response):
+    """Streams one finished call as SSE: headers and the first event go out at once, keep-alive
+    comments while the engine works, a disconnect aborts the generation."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        first: bytes,
+        work: Callable[[], Awaitable[CallOutcome]],
+        release: Callable[[], None],
+        events: Callable[[CallOutcome], Iterable[bytes]],
+        on_error: Callable[[GatewayError], bytes],
+    ) -> None:
+        super().__init__(headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.first, self.work, self.events, self.on_error = first, work, events, on_error
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._stream(receive, send)
+        finally:
+            self.release()
+
+    async def _stream(self, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        task = asyncio.ensure_future(self.work())
+        watcher = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait(
+                    {task, watcher}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
+                )
+                if watcher in done:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, GatewayError):
+                        await task
+                    return
+                if not done:
+                    await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+        try:
+            outcome = task.result()
+        except GatewayError as err:
+            body = self.on_error(err)
+        else:
+            body = b"".join(self.events(outcome))
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Gateway:
+    """Builds the Starlette app around a GatewayCore."""
+
+    def __init__(
+        self, core: GatewayCore, *, admin_token: str, public_url: str, max_body: int = 32 << 20
+    ) -> None:
+        self.core = core
+        self.admin_token = admin_token
+        self.public_url = public_url.rstrip("/")
+        self.max_body = max_body
+
+    # -- helpers --------------------------------------------------------------------------
+    async def _session(self, request: Request) -> Session:
+        key = api_key_of(request)
+        if key is None:
+            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        session = await self.core.session_for_key(key)
+        if session is None:
+            raise unauthorized()
+        prefix = request.path_params.get("rollout_id")
+        if prefix is not None and prefix != session.rollout.id:
+            raise unauthorized("The API key does not belong to the rollout in the URL.")
+        if session.rollout.status != "open":
+            raise GatewayError(
+                403, f"Rollout {session.rollout.id} is {session.rollout.status}.", kind="permission"
+            )
+        return session
+
+    def _check_admin(self, request: Request) -> None:
+        key = api_key_of(request) or ""
+        if not hmac.compare_digest(key.encode(), self.admin_token.encode()):
+            raise unauthorized("This endpoint needs the gateway's admin token.")
+
+    # -- OpenAI Chat Completions ---------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            session = await self._session(request)
+            body = await read_body(request, self.max_body)
+            conv, req = openai_chat.parse_request(body)
+            prepared: PreparedCall = self.core.prepare(session, conv)
+        except GatewayError as err:
+            return self._openai_error(err)
+        decode = self.core.renderer.decode
+        if req.stream:
+            chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
+            return SSEResponse(
+                openai_chat.role_chunk(chunk_id, req.model),
+                lambda: self.core.run(prepared),
+                lambda: self.core.release(prepared),
+                lambda out: openai_chat.stream_chunks(out, req, chunk_id, decode),
+                openai_chat.stream_error,
+            )
+        try:
+            outcome = await race_disconnect(request.receive, self.core.run(prepared))
+        except GatewayError as err:
+            return self._openai_error(err)
+        finally:
+            self.core.release(prepared)
+        if outcome is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(openai_chat.response_body(outcome, req, decode))
+
+    async def models(self, request: Request) -> Response:
+        try:
+            await self._session(request)
+        except GatewayError as err:
+            return self._openai_error(err)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": "policy", "object": "model", "created": 0, "owned_by": "openforgerl"},
+                ],
+            }
+        )
+
+    def _openai_error(self, err: GatewayError) -> Response:
+        return JSONResponse(openai_chat.error_body(err), status_code=err.status, headers=err.headers())
+
+    async def openai_not_found(self, request: Request) -> Response:
+        return self._openai_error(
+            GatewayError(404, f"Unknown endpoint {request.method} {request.url.path}.", kind="not_found")
+        )
+
+    # -- admin API ------------------------------------------------------------------------
+    async def admin(self, request: Request) -> Response:
+        """Dispatch of every /admin route: one error shape (OpenAI's) for all of them."""
+        try:
+            self._check_admin(request)
+            handler = getattr(self, "admin_" + request.scope["route_name"])
+            return await handler(request)
+        except GatewayError as err:
+            return self._openai_error(err)
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        body = await read_body(request, self.max_body)
+        if not body.strip():
+            return {}
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise bad_request(f"The request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise bad_request("The request body must be a JSON object.")
+        return data
+
+    async def admin_create_rollout(self, request: Request) -> Response:
+        data = await self._json_body(request)
+        for name in ("run_id", "task_id"):
+            if not isinstance(data.get(name, ""), str):
+                raise bad_request(f"'{name}' must be a string.", param=name)
+        for name in ("metadata", "sampling"):
+            if not isinstance(data.get(name, {}), dict):
+                raise bad_request(f"'{name}' must be an object.", param=name)
+        session, api_key = await self.core.create_rollout(
+            run_id=data.get("run_id", ""),
+            task_id=data.get("task_id", ""),
+            metadata=data.get("metadata"),
+            sampling=data.get("sampling"),
+        )
+        return JSONResponse(
+            {
+                **session.rollout.public(),
+                "api_key": api_key,
+                "base_url": f"{self.public_url}/r/{session.rollout.id}",
+            },
+            status_code=201,
+        )
+
+    async def admin_list_rollouts(self, request: Request) -> Response:
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", "100"))
+            offset = int(q.get("offset", "0"))
+        except ValueError as exc:
+            raise bad_request("'limit' and 'offset' must be integers.") from exc
+        if not (1 <= limit <= 10000) or offset < 0:
+            raise bad_request("'limit' must be in [1, 10000] and 'offset' >= 0.")
+        rows = await self.core.store.list_rollouts(
+            run_id=q.get("run_id"), status=q.get("status"), limit=limit, offset=offset
+        )
+        return JSONResponse({"rollouts": [r.public() for r in rows]})
+
+    async def _rollout_or_404(self, request: Request) -> Session:
+        session = await self.core.session_for_id(request.path_params["rollout_id"])
+        if session is None:
+            raise GatewayError(404, f"No rollout {request.path_params['rollout_id']}.", kind="not_found")
+        return session
+
+    async def admin_get_rollout(self, request: Request) -> Response:
+        row = await self.core.store.get_rollout(request.path_params["rollout_id"])
+        if row is None:
+            raise GatewayError(404, f"No rollout {request.path_params['rollout_id']}.", kind="not_found")
+        return JSONResponse(row.public())
+
+    async def admin_calls(self, request: Request) -> Response:
+        rollout_id = request.path_params["rollout_id"]
+        if await self.core.store.get_rollout(rollout_id) is None:
+            raise GatewayError(404, f"No rollout {rollout_id}.", kind="not_found")
+        calls = await self.core.store.calls(rollout_id)
+        prompts = self.core.store.full_prompts(calls)
+        out = []
+        for c in calls:
+            assert c.id is not None
+            out.append(
+                {
+                    "call_id": c.id,
+                    "seq": c.seq,
+                    "status": c.status,
+                    "error": c.error,
+                    "model": c.model,
+                    "dialect": c.dialect,
+                    "engine": c.engine,
+                    "branch_id": c.branch_id,
+                    "parent_call_id": c.parent_call_id,
+                    "branch_reason": c.branch_reason,
+                    "policy_version": c.policy_version,
+                    "prompt_ids": prompts[c.id],
+                    "reused_prompt_tokens": c.prompt_prefix_len,
+                    "completion_ids": c.completion_ids,
+                    "completion_logprobs": c.completion_logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "sampling_requested": c.sampling_requested,
+                    "sampling_used": c.sampling_used,
+                    "messages_delta": c.messages_delta,
+                    "response": c.response,
+                    "parse_errors": c.parse_errors,
+                    "created_at": c.created_at,
+                    "latency_ms": c.latency_ms,
+                }
+            )
+        return JSONResponse({"rollout_id": rollout_id, "calls": out})
+
+    async def _finish(self, request: Request, default_status: str) -> Response:
+        session = await self._rollout_or_404(request)
+        data = await self._json_body(request)
+        reward = data.get("reward")
+        if reward is not None and (
+            isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward)
+        ):
+            raise bad_request("'reward' must be a finite number.", param="reward")
+        details = data.get("details")
+        if details is not None and not isinstance(details, dict):
+            raise bad_request("'details' must be an object.", param="details")
+        status = data.get("status", default_status)
+        if status not in ("open", "closed", "failed", "cancelled"):
+            raise bad_request("'status' must be one of open, closed, failed, cancelled.", param="status")
+        if default_status == "open":  # setting a reward keeps the rollout's status unless asked
+            status = data.get("status")
+            row = await self.core.store.update_rollout(
+                session.rollout.id, status=status, reward=reward, details=details
+            )
+            assert row is not None
+            session.rollout = row
+        else:
+            row = await self.core.close_rollout(session, status=status, reward=reward, details=details)
+        return JSONResponse(row.public())
+
+    async def admin_close_rollout(self, request: Request) -> Response:
+        return await self._finish(request, "closed")
+
+    async def admin_reward(self, request: Request) -> Response:
+        return await self._finish(request, "open")
+
+    async def admin_weights(self, request: Request) -> Response:
+        data = await self._json_body(request)
+        path = data.get("path")
+        if not isinstance(path, str) or not path:
+            raise bad_request("'path' (a model directory) is required.", param="path")
+        version = await self.core.load_weights(path)
+        return JSONResponse({"policy_version": version})
+
+    async def admin_stats(self, request: Request) -> Response:
+        return JSONResponse(self.core.stats())
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "policy_version": self.core.engine.policy_version})
+
+    # -- the app --------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        def admin(path: str, name: str, methods: list[str]) -> Route:
+            async def endpoint(request: Request) -> Response:
+                request.scope["route_name"] = name
+                return await self.admin(request)
+
+            return Route(path, endpoint, methods=methods, name=name)
+
+        routes = [
+            Route("/health", self.health, methods=["GET", "HEAD"]),
+            admin("/admin/rollouts", "create_rollout", ["POST"]),
+            admin("/admin/rollouts", "list_rollouts", ["GET"]),
+            admin("/admin/rollouts/{rollout_id}", "get_rollout", ["GET"]),
+            admin("/admin/rollouts/{rollout_id}/calls", "calls", ["GET"]),
+            admin("/admin/rollouts/{rollout_id}/close", "close_rollout", ["POST"]),
+            admin("/admin/rollouts/{rollout_id}/reward", "reward", ["POST"]),
+            admin("/admin/weights", "weights", ["POST"]),
+            admin("/admin/stats", "stats", ["GET"]),
+        ]
+        for prefix in ("", "/r/{rollout_id}"):
+            routes += [
+                Route(prefix + "/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route(prefix + "/v1/models", self.models, methods=["GET"]),
+                Route(
+                    prefix + "/v1/{rest:path}",
+                    self.openai_not_found,
+                    methods=["GET", "POST", "PUT", "DELETE"],
+                ),
+            ]
+        return Starlette(
+            routes=routes,
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
+        )
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind: Any = {404: "not_found", 405: "invalid_request"}.get(exc.status_code, "invalid_request")
+        return self._openai_error(
+            GatewayError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind=kind)
+        )
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        # A bug must not take the gateway down: answer 500 in the OpenAI shape and go on.
+        return self._openai_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))

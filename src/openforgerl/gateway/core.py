@@ -1,0 +1,389 @@
+"""The dialect-free heart of the gateway: rollouts, token memory, sampling, engine, recording.
+
+A dialect translator turns a request into a `Conversation`, calls `GatewayCore.complete`, and
+turns the `CallOutcome` back into its wire format. Nothing here knows a dialect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from openforgerl.conversation import Conversation, Message, ToolCall
+from openforgerl.engines.base import (
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    GenerateResult,
+    SamplingParams,
+)
+from openforgerl.engines.parsers import parse_completion
+from openforgerl.gateway.errors import GatewayError, bad_request, context_length_exceeded
+from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory
+from openforgerl.sampling import SamplingPolicy
+from openforgerl.store import CallRow, RolloutRow, Store
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass
+class Session:
+    """A live rollout: its row, its token memory and its call counter."""
+
+    rollout: RolloutRow
+    memory: TokenMemory
+    policy: SamplingPolicy
+    next_seq: int = 0
+
+
+@dataclass(slots=True)
+class PreparedCall:
+    session: Session
+    conv: Conversation
+    plan: PromptPlan
+    params: SamplingParams
+    used: dict[str, Any]
+    seq: int
+    started: float
+    released: bool = False
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    call_id: int
+    message: Message
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    policy_version: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    parse_errors: list[str] = field(default_factory=list)
+
+
+class GatewayCore:
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        store: Store,
+        *,
+        policy: SamplingPolicy | None = None,
+        max_context: int = 4096,
+        max_inflight: int = 1024,
+    ) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.store = store
+        self.policy = policy or SamplingPolicy()
+        self.max_context = max_context
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        self._by_key: dict[str, Session] = {}
+        self._by_id: dict[str, Session] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self.counters = {"calls": 0, "extended": 0, "new_branch": 0, "aborted": 0, "errors": 0, "rejected": 0}
+
+    # -- rollouts -----------------------------------------------------------------------
+    async def create_rollout(
+        self,
+        *,
+        run_id: str = "",
+        task_id: str = "",
+        metadata: dict[str, Any] | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> tuple[Session, str]:
+        try:
+            policy = self.policy.merged(sampling)
+        except (TypeError, ValueError) as exc:
+            raise bad_request(str(exc), param="sampling") from exc
+        rollout_id = "ro_" + secrets.token_hex(8)
+        api_key = "ofk-" + secrets.token_urlsafe(24)
+        row = RolloutRow(
+            id=rollout_id,
+            run_id=run_id,
+            task_id=task_id,
+            key_hash=hash_key(api_key),
+            metadata=metadata or {},
+            sampling=sampling or {},
+            created_at=time.time(),
+        )
+        await self.store.create_rollout(row)
+        session = Session(row, TokenMemory(self.renderer), policy)
+        self._remember(session)
+        return session, api_key
+
+    def _remember(self, session: Session) -> None:
+        self._by_key[session.rollout.key_hash] = session
+        self._by_id[session.rollout.id] = session
+
+    async def session_for_key(self, api_key: str) -> Session | None:
+        """The open rollout this key belongs to, rebuilt from the store after a restart."""
+        key_hash = hash_key(api_key)
+        session = self._by_key.get(key_hash)
+        if session is not None:
+            return session
+        row = await self.store.rollout_by_key_hash(key_hash)
+        if row is None:
+            return None
+        return await self._restore(row)
+
+    async def session_for_id(self, rollout_id: str) -> Session | None:
+        session = self._by_id.get(rollout_id)
+        if session is not None:
+            return session
+        row = await self.store.get_rollout(rollout_id)
+        return None if row is None else await self._restore(row)
+
+    async def _restore(self, row: RolloutRow) -> Session:
+        existing = self._by_id.get(row.id)
+        if existing is not None:
+            return existing
+        memory = TokenMemory(self.renderer)
+        calls = await self.store.calls(row.id)
+        prompts = Store.full_prompts(calls)
+        for c in calls:
+            assert c.id is not None
+            if c.status == "ok" and c.memory:
+                memory.restore(c.id, c.branch_id, c.memory, prompts[c.id] + c.completion_ids)
+            memory.next_branch_id = max(memory.next_branch_id, c.branch_id + 1)
+        session = Session(row, memory, self.policy.merged(row.sampling), next_seq=len(calls))
+        self._remember(session)
+        return session
+
+    async def close_rollout(
+        self, session: Session, *, status: str, reward: float | None, details: dict[str, Any] | None
+    ) -> RolloutRow:
+        row = await self.store.update_rollout(
+            session.rollout.id, status=status, reward=reward, details=details
+        )
+        assert row is not None
+        session.rollout = row
+        # A closed rollout takes no more calls; its token memory is no longer needed.
+        self._by_key.pop(row.key_hash, None)
+        self._by_id.pop(row.id, None)
+        return row
+
+    # -- one model call -----------------------------------------------------------------
+    def prepare(self, session: Session, conv: Conversation) -> PreparedCall:
+        """Everything up to the engine: checks, prompt ids (token memory) and sampling.
+
+        Raises GatewayError before anything was streamed, so the caller can still answer with a
+        plain error status.
+        """
+        if session.rollout.status != "open":
+            raise GatewayError(
+                403, f"rollout {session.rollout.id} is {session.rollout.status}", kind="permission"
+            )
+        if self.inflight >= self.max_inflight:
+            self.counters["rejected"] += 1
+            raise GatewayError(
+                429,
+                f"The gateway is at its limit of {self.max_inflight} calls in flight; retry shortly.",
+                kind="rate_limit",
+                code="rate_limit_exceeded",
+                retry_after=1,
+            )
+        plan = session.memory.plan(conv.messages, conv.tools)
+        prompt_tokens = len(plan.prompt_ids)
+        engine_max = min(self.max_context, getattr(self.engine, "max_context", self.max_context))
+        try:
+            params, used = session.policy.resolve(
+                conv.sampling, prompt_tokens, engine_max, self.renderer.stop_token_ids
+            )
+        except ValueError as exc:
+            raise context_length_exceeded(prompt_tokens, int(exc.args[0])) from exc
+        seq = session.next_seq
+        session.next_seq += 1
+        self.inflight += 1  # counted from here so a burst cannot slip past the limit
+        return PreparedCall(session, conv, plan, params, used, seq, time.time())
+
+    def release(self, call: PreparedCall) -> None:
+        """End a call's slot in flight (idempotent: also for a call that never ran)."""
+        if not call.released:
+            call.released = True
+            self.inflight -= 1
+
+    async def complete(self, session: Session, conv: Conversation) -> CallOutcome:
+        return await self.run(self.prepare(session, conv))
+
+    async def run(self, call: PreparedCall) -> CallOutcome:
+        """Generate, parse, record durably, and only then return (the harness's acknowledgement)."""
+        try:
+            return await self._run(call)
+        finally:
+            self.release(call)
+
+    async def _run(self, call: PreparedCall) -> CallOutcome:
+        session, conv, plan = call.session, call.conv, call.plan
+
+        def record(
+            status: str, error: str, result: GenerateResult | None, message: Message | None
+        ) -> CallRow:
+            return CallRow(
+                rollout_id=session.rollout.id,
+                seq=call.seq,
+                branch_id=-1,
+                parent_call_id=plan.parent.call_id if plan.parent else None,
+                branch_reason=plan.miss_reason,
+                dialect=conv.dialect,
+                model=conv.model,
+                engine=self.engine.name,
+                status=status,
+                error=error,
+                policy_version=result.policy_version if result else None,
+                prompt_prefix_len=plan.prefix_len,
+                prompt_delta=plan.prompt_ids[plan.prefix_len :],
+                prompt_tokens=len(plan.prompt_ids),
+                completion_ids=result.completion_ids if result else [],
+                completion_logprobs=result.logprobs if result else [],
+                finish_reason=result.finish_reason if result else ("abort" if status == "aborted" else None),
+                stop_reason=None if result is None or result.stop_reason is None else str(result.stop_reason),
+                sampling_requested=asdict(conv.sampling),
+                sampling_used=call.used,
+                messages_delta=[m.template_dict() for m in conv.messages[plan.first_new_message :]],
+                response=message.template_dict() if message else {},
+                parse_errors=[],
+                memory={},
+                created_at=call.started,
+                latency_ms=(time.time() - call.started) * 1000,
+            )
+
+        try:
+            result = await self.engine.generate(plan.prompt_ids, call.params)
+        except asyncio.CancelledError:
+            # The client went away and the engine aborted: keep a record that says so.
+            self.counters["aborted"] += 1
+            self._in_background(
+                self._record_failure(session, record("aborted", "client disconnected", None, None))
+            )
+            raise
+        except EngineOverloaded as exc:
+            self.counters["rejected"] += 1
+            raise GatewayError(
+                429, str(exc), kind="rate_limit", code="engine_overloaded", retry_after=exc.retry_after
+            ) from exc
+        except EngineUnavailable as exc:
+            self.counters["errors"] += 1
+            await self._record_failure(session, record("error", f"engine unavailable: {exc}", None, None))
+            raise GatewayError(
+                503,
+                f"The inference engine is unavailable: {exc}",
+                kind="unavailable",
+                retry_after=exc.retry_after,
+            ) from exc
+        except EngineError as exc:
+            self.counters["errors"] += 1
+            await self._record_failure(session, record("error", f"engine error: {exc}", None, None))
+            raise GatewayError(500, f"The inference engine failed: {exc}", kind="internal") from exc
+
+        message, finish, errors, turn_end = self._to_message(result, call.params.stop)
+        row = record("ok", "", result, message)
+        row.parse_errors = errors
+        call_id = await self._record_ok(session, plan, row, result, message, turn_end)
+        self.counters["calls"] += 1
+        self.counters[
+            "extended" if row.parent_call_id is not None and not row.branch_reason else "new_branch"
+        ] += 1
+        return CallOutcome(
+            call_id=call_id,
+            message=message,
+            finish_reason=finish,
+            prompt_tokens=len(plan.prompt_ids),
+            completion_tokens=len(result.completion_ids),
+            cached_tokens=plan.prefix_len,
+            policy_version=result.policy_version,
+            prompt_ids=plan.prompt_ids,
+            completion_ids=result.completion_ids,
+            logprobs=result.logprobs,
+            parse_errors=errors,
+        )
+
+    async def _record_ok(
+        self,
+        session: Session,
+        plan: PromptPlan,
+        row: CallRow,
+        result: GenerateResult,
+        message: Message,
+        turn_end: bool,
+    ) -> int:
+        # The branch is decided at commit time (two calls racing from one tip: the first extends
+        # the branch, the second forks). The tip needs the call id, which the store assigns; the
+        # tip carries a provisional id until the insert returns. No later call can extend the tip
+        # before then: a harness only sees this answer after the insert.
+        provisional = -(row.seq + 1)
+        commit = session.memory.commit(plan, provisional, result.completion_ids, message, turn_end)
+        row.branch_id = commit.branch_id
+        row.parent_call_id = commit.parent_call_id
+        row.branch_reason = commit.reason
+        row.memory = commit.tip.memory_record()
+        try:
+            call_id = await self.store.record_call(row)
+        except BaseException:
+            if commit.tip in session.memory.tips:
+                session.memory.tips.remove(commit.tip)
+            raise
+        commit.tip.call_id = call_id
+        return call_id
+
+    async def _record_failure(self, session: Session, row: CallRow) -> None:
+        row.branch_id = session.memory.next_branch_id
+        row.parent_call_id = None
+        await self.store.record_call(row)
+
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _to_message(
+        self, result: GenerateResult, stop: tuple[str, ...]
+    ) -> tuple[Message, str, list[str], bool]:
+        """Sampled ids -> the assistant message a harness sees, the finish reason and parse errors."""
+        ids = result.completion_ids
+        turn_end = bool(ids) and ids[-1] in self.renderer.stop_token_ids and result.finish_reason == "stop"
+        text = self.renderer.decode(ids[:-1] if turn_end else ids)
+        if (
+            result.finish_reason == "stop"
+            and isinstance(result.stop_reason, str)
+            and result.stop_reason in stop
+        ):
+            # OpenAI semantics: the stop string is not part of the returned text (it stays in the ids).
+            cut = text.rfind(result.stop_reason)
+            if cut >= 0:
+                text = text[:cut]
+        parsed = parse_completion(text)
+        message = Message(
+            role="assistant",
+            content=parsed.content,
+            reasoning=parsed.reasoning,
+            tool_calls=[
+                ToolCall(c.name, c.arguments, c.id or f"call_{secrets.token_hex(12)}")
+                for c in parsed.tool_calls
+            ],
+        )
+        finish: str = result.finish_reason
+        if message.tool_calls and finish == "stop":
+            finish = "tool_calls"
+        return message, finish, parsed.errors, turn_end
+
+    async def load_weights(self, path: str) -> int:
+        return await self.engine.load_weights(path)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "inflight": self.inflight,
+            "open_sessions": len(self._by_id),
+            "policy_version": self.engine.policy_version,
+            **self.counters,
+        }

@@ -1,0 +1,294 @@
+"""OpenAI Chat Completions: wire models, and the translation to and from a `Conversation`."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.gateway.core import CallOutcome
+from openforgerl.gateway.errors import GatewayError, bad_request
+
+NAME = "openai"
+
+
+class _Wire(BaseModel):
+    # Harnesses send many fields this gateway has no use for; they are accepted and ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Wire):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Wire):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallWire(_Wire):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Wire):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class StreamOptions(_Wire):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Wire):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Extension (as in vLLM): also return the prompt and completion token ids.
+    return_token_ids: bool = False
+
+
+def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        if part.type in ("text", "input_text"):
+            parts.append(part.text or "")
+        else:
+            raise bad_request(
+                f"Content part type '{part.type}' is not supported by this gateway's model (text only).",
+                param=f"{where}.content.{i}.type",
+            )
+    return "".join(parts)
+
+
+def _arguments(raw: str | dict[str, Any]) -> dict[str, Any] | str:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        parsed = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        return raw  # kept as the harness sent it; the template renders it verbatim
+    return parsed if isinstance(parsed, dict) else raw
+
+
+def parse_request(body: bytes) -> tuple[Conversation, ChatCompletionRequest]:
+    try:
+        req = ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "json_invalid":
+            raise bad_request(f"The request body is not valid JSON: {err['msg']}") from exc
+        raise bad_request(f"Invalid value for '{loc}': {err['msg']}", param=loc or None) from exc
+    if req.n != 1:
+        raise bad_request("Only n=1 is supported: send one request per sample.", param="n")
+    messages = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role
+        calls = [
+            ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or []
+        ]
+        messages.append(
+            Message(
+                role=role,
+                content=_text(m.content, f"messages.{i}"),
+                reasoning=m.reasoning_content or m.reasoning or "",
+                tool_calls=calls,
+                tool_call_id=m.tool_call_id or "",
+                name=m.name or "",
+            )
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    conv = Conversation(
+        model=req.model,
+        messages=messages,
+        tools=[
+            Tool(t.function.name, t.function.description or "", t.function.parameters or {})
+            for t in req.tools or []
+        ],
+        tool_choice=req.tool_choice,
+        response_format=req.response_format,
+        sampling=SamplingRequest(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_completion_tokens or req.max_tokens,
+            stop=stop,
+            seed=req.seed,
+        ),
+        stream=req.stream,
+        dialect=NAME,
+    )
+    return conv, req
+
+
+def _tool_calls(message: Message) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {
+                "name": c.name,
+                "arguments": c.arguments
+                if isinstance(c.arguments, str)
+                else orjson.dumps(c.arguments).decode(),
+            },
+        }
+        for c in message.tool_calls
+    ]
+
+
+def _usage(out: CallOutcome) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+    }
+
+
+def _logprobs(out: CallOutcome, decode: Any) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(out.completion_ids, out.logprobs, strict=True)
+        ]
+    }
+
+
+def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Any) -> bytes:
+    message: dict[str, Any] = {"role": "assistant", "content": out.message.content or None}
+    if out.message.reasoning:
+        message["reasoning_content"] = out.message.reasoning
+    if out.message.tool_calls:
+        message["tool_calls"] = _tool_calls(out.message)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": out.finish_reason,
+        "logprobs": _logprobs(out, decode) if req.logprobs else None,
+    }
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{out.call_id}-{secrets.token_hex(6)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "system_fingerprint": f"policy-v{out.policy_version}",
+        "choices": [choice],
+        "usage": _usage(out),
+    }
+    if req.return_token_ids:
+        body["prompt_token_ids"] = out.prompt_ids
+        choice["token_ids"] = out.completion_ids
+    return orjson.dumps(body)
+
+
+def stream_chunks(
+    out: CallOutcome, req: ChatCompletionRequest, chunk_id: str, decode: Any
+) -> Iterator[bytes]:
+    """The SSE events after the role chunk, for a finished call."""
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+        body = {
+            "id": chunk_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": f"policy-v{out.policy_version}",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}],
+        }
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    if out.message.reasoning:
+        yield chunk({"reasoning_content": out.message.reasoning})
+    if out.message.content:
+        extra = {"logprobs": _logprobs(out, decode)} if req.logprobs else {}
+        yield chunk({"content": out.message.content}, None, extra)
+    for i, call in enumerate(_tool_calls(out.message)):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    final_extra: dict[str, Any] = {"token_ids": out.completion_ids} if req.return_token_ids else {}
+    yield chunk({}, out.finish_reason, final_extra)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        usage = {
+            "id": chunk_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [],
+            "usage": _usage(out),
+        }
+        yield b"data: " + orjson.dumps(usage) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def role_chunk(chunk_id: str, model: str) -> bytes:
+    body = {
+        "id": chunk_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length": "invalid_request_error",
+    "too_large": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "unavailable": "server_error",
+    "internal": "server_error",
+}
+
+
+def error_body(err: GatewayError) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": err.message, "type": _TYPES[err.kind], "param": err.param, "code": err.code}}
+    )
+
+
+def stream_error(err: GatewayError) -> bytes:
+    """An error after the stream began: an SSE event the OpenAI SDK raises as an APIError."""
+    return b"data: " + error_body(err) + b"\n\n"

@@ -1,0 +1,64 @@
+"""Errors the gateway answers with. Each dialect renders them in its own wire format."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+ErrorKind = Literal[
+    "invalid_request",
+    "authentication",
+    "permission",
+    "not_found",
+    "too_large",
+    "context_length",
+    "rate_limit",
+    "unavailable",
+    "internal",
+]
+
+
+class GatewayError(Exception):
+    """An error answered to the caller with `status`, in the caller's dialect."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: ErrorKind = "invalid_request",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, round(self.retry_after)))}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, kind="invalid_request", param=param, code=code)
+
+
+def unauthorized(message: str = "Incorrect or missing API key for this gateway.") -> GatewayError:
+    return GatewayError(401, message, kind="authentication", code="invalid_api_key")
+
+
+def context_length_exceeded(prompt_tokens: int, max_context: int) -> GatewayError:
+    # OpenAI's wording: harnesses match on it to trigger their context compaction.
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {max_context} tokens. However, your messages resulted "
+        f"in {prompt_tokens} tokens. Please reduce the length of the messages.",
+        kind="context_length",
+        code="context_length_exceeded",
+        param="messages",
+    )

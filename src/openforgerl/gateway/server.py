@@ -1,0 +1,89 @@
+"""Assemble and serve a gateway: engine + chat template + store + HTTP app."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+
+from openforgerl.engines import make_engine
+from openforgerl.engines.base import Engine
+from openforgerl.gateway.app import Gateway
+from openforgerl.gateway.core import GatewayCore
+from openforgerl.rendering import ChatRenderer
+from openforgerl.sampling import SamplingPolicy
+from openforgerl.store import Store
+
+
+@dataclass
+class GatewayConfig:
+    model: str
+    engine: str = "builtin"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    store: str = "openforge.db"
+    admin_token: str = ""
+    public_url: str = ""
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    max_tokens: int = 1024
+    max_context: int = 4096
+    max_inflight: int = 1024
+    max_body: int = 32 << 20
+    durability: str = "full"
+
+
+def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlette, Gateway]:
+    """The ASGI app; the engine starts and the store closes with the app's lifespan."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    engine = engine or make_engine(cfg.engine, cfg.model)
+    store = Store(Path(cfg.store), durability=cfg.durability)
+    core = GatewayCore(
+        engine,
+        ChatRenderer(tokenizer),
+        store,
+        policy=SamplingPolicy(cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.max_context),
+        max_context=cfg.max_context,
+        max_inflight=cfg.max_inflight,
+    )
+    gateway = Gateway(
+        core,
+        admin_token=cfg.admin_token or secrets.token_urlsafe(24),
+        public_url=cfg.public_url or f"http://{cfg.host}:{cfg.port}",
+        max_body=cfg.max_body,
+    )
+    app = gateway.app()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+            await store.close()
+
+    app.router.lifespan_context = lifespan
+    return app, gateway
+
+
+def serve(cfg: GatewayConfig) -> None:
+    app, gateway = build_app(cfg)
+    if not cfg.admin_token:
+        print(f"admin token: {gateway.admin_token}", flush=True)
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=75,
+        backlog=4096,
+    )

@@ -1,0 +1,273 @@
+"""Conversation -> prompt ids with the model's own chat template, and the token memory.
+
+The token memory is what keeps the recorded sequence equal to what the policy sampled. Harnesses
+echo the model's turns back re-serialised (compact JSON, rewritten call ids, reasoning dropped),
+so re-tokenising the echoed text would drift from the sampled ids. Instead each rollout keeps the
+tips of its branches: the canonical keys of the messages seen so far and the exact ids of prompt +
+completion. A request whose messages extend a tip gets `tip ids + ids of the new messages only`:
+the history is never re-tokenised, so the recorded sequence is exact and the tokenising work grows
+with the new tokens. A request that does not extend any tip starts a new branch, with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from openforgerl.conversation import Message, Tool
+
+MAX_TIPS = 8  # tips kept per rollout: enough for retries and side requests, bounded memory
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def canonical_arguments(arguments: dict[str, Any] | str) -> Any:
+    """Tool-call arguments compared by meaning: '{"a": 1}' equals '{"a":1}' equals {"a": 1}."""
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return orjson.loads(orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS))
+
+
+def message_key(m: Message) -> bytes:
+    """A message's identity for token memory.
+
+    Ignored on purpose, because harnesses change them when they echo a turn back: tool-call ids,
+    the assistant's reasoning (most clients drop it) and whitespace around assistant text.
+    """
+    payload: Any
+    if m.role == "assistant":
+        payload = ("a", m.content.strip(), [(c.name, canonical_arguments(c.arguments)) for c in m.tool_calls])
+    elif m.role == "tool":
+        payload = ("t", m.content)
+    else:
+        payload = (m.role, m.content, m.name)
+    return _digest(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS))
+
+
+def tools_key(tools: Sequence[Tool]) -> bytes:
+    return _digest(orjson.dumps([t.template_dict() for t in tools], option=orjson.OPT_SORT_KEYS))
+
+
+class ChatRenderer:
+    """The model's chat template and tokenizer, used the way the gateway needs them."""
+
+    def __init__(self, tokenizer: Any, turn_end: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        # The fast tokenizer's Rust backend: encoding through it skips Python-side overhead.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.turn_end: str = turn_end or tokenizer.eos_token
+        if not self.turn_end:
+            raise ValueError("the tokenizer has no eos token; pass turn_end (the text that ends a turn)")
+        self.turn_end_id: int = tokenizer.convert_tokens_to_ids(self.turn_end)
+        stop = {self.turn_end_id}
+        for tok in (
+            tokenizer.eos_token,
+            tokenizer.pad_token if tokenizer.pad_token == "<|endoftext|>" else None,
+        ):
+            if tok:
+                stop.add(tokenizer.convert_tokens_to_ids(tok))
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stop))
+
+    def render(self, messages: Sequence[Message], tools: Sequence[Tool]) -> str:
+        text = self.tokenizer.apply_chat_template(
+            [m.template_dict() for m in messages],
+            tools=[t.template_dict() for t in tools] or None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+
+@dataclass(slots=True)
+class Tip:
+    """The end of a branch: everything needed to extend it without re-tokenising."""
+
+    call_id: int
+    branch_id: int
+    keys: list[bytes]
+    tools_key: bytes
+    ids: list[int]
+    prompt_text_len: int
+    prompt_text_hash: bytes
+    ended_with_turn_end: bool
+    extended: bool = False
+
+    def memory_record(self) -> dict[str, Any]:
+        """What the store keeps so a restarted gateway can rebuild this tip."""
+        return {
+            "keys": [k.hex() for k in self.keys],
+            "tools_key": self.tools_key.hex(),
+            "prompt_text_len": self.prompt_text_len,
+            "prompt_text_hash": self.prompt_text_hash.hex(),
+            "ended_with_turn_end": self.ended_with_turn_end,
+        }
+
+
+@dataclass(slots=True)
+class PromptPlan:
+    prompt_ids: list[int]
+    prompt_text: str
+    keys: list[bytes]
+    tools_key: bytes
+    parent: Tip | None
+    prefix_len: int  # ids taken from the parent tip
+    first_new_message: int  # index of the first message the parent had not seen
+    miss_reason: str  # why no tip was extended ('' when one was)
+
+
+@dataclass(slots=True)
+class Commit:
+    branch_id: int
+    parent_call_id: int | None
+    reason: str  # why a new branch started ('' when the call extended its branch)
+    tip: Tip
+
+
+@dataclass
+class TokenMemory:
+    """The branches of one rollout."""
+
+    renderer: ChatRenderer
+    tips: list[Tip] = field(default_factory=list)
+    next_branch_id: int = 0
+
+    def plan(self, messages: Sequence[Message], tools: Sequence[Tool]) -> PromptPlan:
+        keys = [message_key(m) for m in messages]
+        tkey = tools_key(tools)
+        text = self.renderer.render(messages, tools)
+        best: Tip | None = None
+        for tip in self.tips:
+            n = len(tip.keys)
+            if (
+                n < len(keys)
+                and tip.tools_key == tkey
+                and (best is None or n > len(best.keys))
+                and keys[:n] == tip.keys
+            ):
+                best = tip
+        reason = ""
+        if best is not None:
+            plen = best.prompt_text_len
+            if len(text) < plen or _digest(text[:plen].encode()) != best.prompt_text_hash:
+                reason = "the chat template rendered the earlier conversation differently"
+            else:
+                end = text.find(self.renderer.turn_end, plen)
+                if end < 0:
+                    reason = "the echoed assistant turn has no turn end in the rendered prompt"
+                else:
+                    prefix = best.ids if best.ended_with_turn_end else [*best.ids, self.renderer.turn_end_id]
+                    delta = self.renderer.encode(text[end + len(self.renderer.turn_end) :])
+                    return PromptPlan(
+                        prompt_ids=prefix + delta,
+                        prompt_text=text,
+                        keys=keys,
+                        tools_key=tkey,
+                        parent=best,
+                        prefix_len=len(prefix),
+                        first_new_message=len(best.keys),
+                        miss_reason="",
+                    )
+        else:
+            reason = self._explain_miss(keys, tkey)
+        return PromptPlan(
+            prompt_ids=self.renderer.encode(text),
+            prompt_text=text,
+            keys=keys,
+            tools_key=tkey,
+            parent=None,
+            prefix_len=0,
+            first_new_message=0,
+            miss_reason=reason,
+        )
+
+    def _explain_miss(self, keys: list[bytes], tkey: bytes) -> str:
+        if not self.tips:
+            return "first call of the rollout"
+        closest = max(self.tips, key=lambda t: _common_prefix(t.keys, keys))
+        common = _common_prefix(closest.keys, keys)
+        if common == len(closest.keys) == len(keys):
+            return "the request repeats an answered conversation without a new message"
+        if common == len(closest.keys):
+            return "the tools changed"
+        if common == len(keys):
+            return f"the conversation is shorter than the branch: it ends at message {common}"
+        return f"message {common} differs from the recorded conversation (history rewritten)"
+
+    def commit(
+        self,
+        plan: PromptPlan,
+        call_id: int,
+        completion_ids: Sequence[int],
+        generated: Message,
+        turn_end: bool,
+    ) -> Commit:
+        """Record a finished call as a new tip; extend the parent's branch or start a new one."""
+        parent = plan.parent
+        reason = plan.miss_reason
+        if parent is not None and not parent.extended:
+            branch_id = parent.branch_id
+            parent.extended = True
+        else:
+            if parent is not None:
+                reason = f"fork: call {parent.call_id} was already extended by another call"
+            branch_id = self.next_branch_id
+        self.next_branch_id = max(self.next_branch_id, branch_id + 1)
+        tip = Tip(
+            call_id=call_id,
+            branch_id=branch_id,
+            keys=[*plan.keys, message_key(generated)],
+            tools_key=plan.tools_key,
+            ids=plan.prompt_ids + list(completion_ids),
+            prompt_text_len=len(plan.prompt_text),
+            prompt_text_hash=_digest(plan.prompt_text.encode()),
+            ended_with_turn_end=turn_end,
+        )
+        self.tips.append(tip)
+        if len(self.tips) > MAX_TIPS:
+            del self.tips[0]
+        return Commit(branch_id, parent.call_id if parent is not None else None, reason, tip)
+
+    def restore(self, call_id: int, branch_id: int, memory: dict[str, Any], ids: list[int]) -> None:
+        """Rebuild a tip from the store (after a restart)."""
+        self.tips.append(
+            Tip(
+                call_id=call_id,
+                branch_id=branch_id,
+                keys=[bytes.fromhex(k) for k in memory["keys"]],
+                tools_key=bytes.fromhex(memory["tools_key"]),
+                ids=ids,
+                prompt_text_len=memory["prompt_text_len"],
+                prompt_text_hash=bytes.fromhex(memory["prompt_text_hash"]),
+                ended_with_turn_end=memory["ended_with_turn_end"],
+            )
+        )
+        if len(self.tips) > MAX_TIPS:
+            del self.tips[0]
+        self.next_branch_id = max(self.next_branch_id, branch_id + 1)
+
+
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,81 @@
+"""The run's sampling policy: what the trainer needs overrides or clamps what a harness asks."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from openforgerl.conversation import SamplingRequest
+from openforgerl.engines.base import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingPolicy:
+    """None leaves the harness's choice (or the default) in place.
+
+    temperature/top_p override what the harness asks (RL needs the training distribution);
+    max_tokens is a cap and the default; max_context bounds prompt + completion.
+    """
+
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    max_tokens: int = 1024
+    max_context: int | None = None
+
+    def merged(self, override: dict[str, Any] | None) -> SamplingPolicy:
+        """This policy with a rollout's own settings on top."""
+        if not override:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = set(override) - known
+        if unknown:
+            raise ValueError(f"unknown sampling settings: {sorted(unknown)}; known: {sorted(known)}")
+        return SamplingPolicy(**{**asdict(self), **override})
+
+    def resolve(
+        self,
+        req: SamplingRequest,
+        prompt_tokens: int,
+        engine_max_context: int,
+        stop_token_ids: tuple[int, ...],
+    ) -> tuple[SamplingParams, dict[str, Any]]:
+        """The parameters to sample with, and a record of them and of what was overridden.
+
+        Raises ValueError when the prompt leaves no room for a single completion token.
+        """
+        max_context = min(self.max_context or engine_max_context, engine_max_context)
+        room = max_context - prompt_tokens
+        if room < 1:
+            raise ValueError(max_context)
+        overridden = []
+        temperature = req.temperature if req.temperature is not None else 1.0
+        if self.temperature is not None and self.temperature != req.temperature:
+            temperature = self.temperature
+            if req.temperature is not None:
+                overridden.append("temperature")
+        top_p = req.top_p if req.top_p is not None else 1.0
+        if self.top_p is not None and self.top_p != req.top_p:
+            top_p = self.top_p
+            if req.top_p is not None:
+                overridden.append("top_p")
+        max_tokens = min(req.max_tokens or self.max_tokens, self.max_tokens, room)
+        if req.max_tokens is not None and max_tokens < req.max_tokens:
+            overridden.append("max_tokens")
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            stop=tuple(req.stop),
+            stop_token_ids=stop_token_ids,
+            seed=req.seed,
+        )
+        used = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "stop": list(req.stop),
+            "seed": req.seed,
+            "max_context": max_context,
+            "overridden": overridden,
+        }
+        return params, used

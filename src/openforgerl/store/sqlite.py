@@ -1,0 +1,484 @@
+"""The embedded store: SQLite in WAL mode with group commit.
+
+One writer thread owns the write connection. Writers hand it operations and await a future
+that resolves only after the transaction holding their operation has committed (and, with
+`durability="full"`, been fsynced), so a call acknowledged to a harness is on disk. Batching
+every operation that queued up meanwhile into one transaction keeps fsyncs rare under load.
+
+Token ids are stored as little-endian int32 blobs and logprobs as float32 blobs. A call whose
+prompt extends an earlier call (token memory) stores only the reference to that call and the
+newly appended ids, so storage grows with the new tokens, not with the whole history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sqlite3
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    id TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL DEFAULT '',
+    task_id TEXT NOT NULL DEFAULT '',
+    key_hash TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL DEFAULT 'open',
+    reward REAL,
+    details TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    sampling TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    closed_at REAL
+);
+CREATE INDEX IF NOT EXISTS rollouts_run ON rollouts(run_id, created_at);
+CREATE TABLE IF NOT EXISTS calls (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    rollout_id TEXT NOT NULL REFERENCES rollouts(id),
+    seq INTEGER NOT NULL,
+    branch_id INTEGER NOT NULL,
+    parent_call_id INTEGER,
+    branch_reason TEXT NOT NULL DEFAULT '',
+    dialect TEXT NOT NULL,
+    model TEXT NOT NULL,
+    engine TEXT NOT NULL,
+    status TEXT NOT NULL,
+    error TEXT NOT NULL DEFAULT '',
+    policy_version INTEGER,
+    prompt_prefix_len INTEGER NOT NULL DEFAULT 0,
+    prompt_delta BLOB NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_ids BLOB NOT NULL,
+    completion_logprobs BLOB NOT NULL,
+    finish_reason TEXT,
+    stop_reason TEXT,
+    sampling_requested TEXT NOT NULL,
+    sampling_used TEXT NOT NULL,
+    messages_delta TEXT NOT NULL,
+    response TEXT NOT NULL,
+    parse_errors TEXT NOT NULL DEFAULT '[]',
+    memory TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    latency_ms REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS calls_rollout ON calls(rollout_id, seq);
+"""
+
+
+def ids_to_blob(ids: Sequence[int]) -> bytes:
+    return array("i", ids).tobytes()
+
+
+def blob_to_ids(blob: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(blob)
+    return a.tolist()
+
+
+def floats_to_blob(values: Sequence[float]) -> bytes:
+    return array("f", values).tobytes()
+
+
+def blob_to_floats(blob: bytes) -> list[float]:
+    a = array("f")
+    a.frombytes(blob)
+    return a.tolist()
+
+
+@dataclass(slots=True)
+class RolloutRow:
+    id: str
+    run_id: str
+    task_id: str
+    key_hash: str
+    status: str = "open"
+    reward: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    closed_at: float | None = None
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.id,
+            "run_id": self.run_id,
+            "task_id": self.task_id,
+            "status": self.status,
+            "reward": self.reward,
+            "details": self.details,
+            "metadata": self.metadata,
+            "sampling": self.sampling,
+            "created_at": self.created_at,
+            "closed_at": self.closed_at,
+        }
+
+
+@dataclass(slots=True)
+class CallRow:
+    """One recorded model call. `prompt_prefix_call_id` + `prompt_prefix_len` say that the prompt
+    starts with that many ids of the earlier call's prompt + completion."""
+
+    rollout_id: str
+    seq: int
+    branch_id: int
+    parent_call_id: int | None
+    branch_reason: str
+    dialect: str
+    model: str
+    engine: str
+    status: str
+    error: str
+    policy_version: int | None
+    prompt_prefix_len: int
+    prompt_delta: list[int]
+    prompt_tokens: int
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: str | None
+    sampling_requested: dict[str, Any]
+    sampling_used: dict[str, Any]
+    messages_delta: list[dict[str, Any]]
+    response: dict[str, Any]
+    parse_errors: list[str]
+    memory: dict[str, Any]
+    created_at: float
+    latency_ms: float
+    id: int | None = None
+
+
+_ROLLOUT_COLS = (
+    "id, run_id, task_id, key_hash, status, reward, details, metadata, sampling, created_at, closed_at"
+)
+_CALL_COLS = (
+    "id, rollout_id, seq, branch_id, parent_call_id, branch_reason, dialect, model, engine, status, error, "
+    "policy_version, prompt_prefix_len, prompt_delta, prompt_tokens, completion_ids, completion_logprobs, "
+    "finish_reason, stop_reason, sampling_requested, sampling_used, messages_delta, response, parse_errors, "
+    "memory, created_at, latency_ms"
+)
+
+
+def _rollout_from_row(r: sqlite3.Row) -> RolloutRow:
+    return RolloutRow(
+        id=r["id"],
+        run_id=r["run_id"],
+        task_id=r["task_id"],
+        key_hash=r["key_hash"],
+        status=r["status"],
+        reward=r["reward"],
+        details=orjson.loads(r["details"]),
+        metadata=orjson.loads(r["metadata"]),
+        sampling=orjson.loads(r["sampling"]),
+        created_at=r["created_at"],
+        closed_at=r["closed_at"],
+    )
+
+
+def _call_from_row(r: sqlite3.Row) -> CallRow:
+    return CallRow(
+        id=r["id"],
+        rollout_id=r["rollout_id"],
+        seq=r["seq"],
+        branch_id=r["branch_id"],
+        parent_call_id=r["parent_call_id"],
+        branch_reason=r["branch_reason"],
+        dialect=r["dialect"],
+        model=r["model"],
+        engine=r["engine"],
+        status=r["status"],
+        error=r["error"],
+        policy_version=r["policy_version"],
+        prompt_prefix_len=r["prompt_prefix_len"],
+        prompt_delta=blob_to_ids(r["prompt_delta"]),
+        prompt_tokens=r["prompt_tokens"],
+        completion_ids=blob_to_ids(r["completion_ids"]),
+        completion_logprobs=blob_to_floats(r["completion_logprobs"]),
+        finish_reason=r["finish_reason"],
+        stop_reason=r["stop_reason"],
+        sampling_requested=orjson.loads(r["sampling_requested"]),
+        sampling_used=orjson.loads(r["sampling_used"]),
+        messages_delta=orjson.loads(r["messages_delta"]),
+        response=orjson.loads(r["response"]),
+        parse_errors=orjson.loads(r["parse_errors"]),
+        memory=orjson.loads(r["memory"]),
+        created_at=r["created_at"],
+        latency_ms=r["latency_ms"],
+    )
+
+
+class StoreClosed(RuntimeError):
+    pass
+
+
+_Op = Callable[[sqlite3.Connection], Any]
+
+
+class Store:
+    """Durable store of rollouts and calls. Writes are group-committed on a writer thread."""
+
+    def __init__(self, path: str | Path, durability: str = "full") -> None:
+        if durability not in ("full", "normal"):
+            raise ValueError("durability must be 'full' (fsync every commit) or 'normal'")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._durability = durability
+        self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any] | None] | None] = queue.SimpleQueue()
+        self._local = threading.local()
+        write = self._connect()
+        write.executescript(SCHEMA)
+        write.commit()
+        self._writer = threading.Thread(
+            target=self._write_loop, args=(write,), name="store-writer", daemon=True
+        )
+        self._closed = False
+        self._writer.start()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._durability.upper()}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        return conn
+
+    # -- writing -------------------------------------------------------------------------
+    def _write_loop(self, conn: sqlite3.Connection) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            batch = []
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= 512:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                stop = True
+            if batch:
+                self._commit_batch(conn, batch)
+        conn.close()
+
+    def _commit_batch(
+        self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any] | None]]
+    ) -> None:
+        results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
+        conn.execute("BEGIN IMMEDIATE")
+        for op, fut in batch:
+            # A savepoint per operation: one bad operation fails alone, the batch still commits.
+            conn.execute("SAVEPOINT op")
+            try:
+                results.append((fut, op(conn), None))
+                conn.execute("RELEASE op")
+            except Exception as exc:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                results.append((fut, None, exc))
+        try:
+            conn.execute("COMMIT")
+        except Exception as commit_error:  # disk full, I/O error: every writer in the batch learns of it
+            with contextlib.suppress(Exception):
+                conn.execute("ROLLBACK")
+            results = [(fut, None, commit_error) for fut, _, _ in results]
+        for fut, value, error in results:
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, value, error)
+
+    async def _write(self, op: _Op) -> Any:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.put((op, fut))
+        return await fut
+
+    # -- reading: one connection per reader thread, WAL lets them run beside the writer ----
+    def _reader(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+        return conn
+
+    def _read_sync(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        return self._reader().execute(sql, tuple(params)).fetchall()
+
+    async def _read(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
+        return await asyncio.to_thread(self._read_sync, sql, tuple(params))
+
+    # -- rollouts ------------------------------------------------------------------------
+    async def create_rollout(self, row: RolloutRow) -> None:
+        def op(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                f"INSERT INTO rollouts ({_ROLLOUT_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    row.id,
+                    row.run_id,
+                    row.task_id,
+                    row.key_hash,
+                    row.status,
+                    row.reward,
+                    orjson.dumps(row.details),
+                    orjson.dumps(row.metadata),
+                    orjson.dumps(row.sampling),
+                    row.created_at,
+                    row.closed_at,
+                ),
+            )
+
+        await self._write(op)
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        *,
+        status: str | None = None,
+        reward: float | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> RolloutRow | None:
+        def op(conn: sqlite3.Connection) -> None:
+            sets: list[str] = []
+            params: list[Any] = []
+            if status is not None:
+                sets += ["status=?", "closed_at=?"]
+                params += [status, time.time() if status != "open" else None]
+            if reward is not None:
+                sets.append("reward=?")
+                params.append(reward)
+            if details is not None:
+                sets.append("details=?")
+                params.append(orjson.dumps(details))
+            if sets:
+                conn.execute(f"UPDATE rollouts SET {', '.join(sets)} WHERE id=?", (*params, rollout_id))
+
+        await self._write(op)
+        return await self.get_rollout(rollout_id)
+
+    async def get_rollout(self, rollout_id: str) -> RolloutRow | None:
+        rows = await self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE id=?", (rollout_id,))
+        return _rollout_from_row(rows[0]) if rows else None
+
+    async def rollout_by_key_hash(self, key_hash: str) -> RolloutRow | None:
+        rows = await self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE key_hash=?", (key_hash,))
+        return _rollout_from_row(rows[0]) if rows else None
+
+    async def list_rollouts(
+        self, *, run_id: str | None = None, status: str | None = None, limit: int = 100, offset: int = 0
+    ) -> list[RolloutRow]:
+        where, params = [], []
+        if run_id is not None:
+            where.append("run_id=?")
+            params.append(run_id)
+        if status is not None:
+            where.append("status=?")
+            params.append(status)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = await self._read(
+            f"SELECT {_ROLLOUT_COLS} FROM rollouts {clause} ORDER BY created_at, id LIMIT ? OFFSET ?",
+            (*params, limit, offset),
+        )
+        return [_rollout_from_row(r) for r in rows]
+
+    # -- calls ---------------------------------------------------------------------------
+    async def record_call(self, call: CallRow) -> int:
+        """Insert a call; returns its id once the transaction holding it is durable."""
+
+        def op(conn: sqlite3.Connection) -> int:
+            cur = conn.execute(
+                f"INSERT INTO calls ({_CALL_COLS}) VALUES ({','.join('?' * 27)})",
+                (
+                    None,
+                    call.rollout_id,
+                    call.seq,
+                    call.branch_id,
+                    call.parent_call_id,
+                    call.branch_reason,
+                    call.dialect,
+                    call.model,
+                    call.engine,
+                    call.status,
+                    call.error,
+                    call.policy_version,
+                    call.prompt_prefix_len,
+                    ids_to_blob(call.prompt_delta),
+                    call.prompt_tokens,
+                    ids_to_blob(call.completion_ids),
+                    floats_to_blob(call.completion_logprobs),
+                    call.finish_reason,
+                    call.stop_reason,
+                    orjson.dumps(call.sampling_requested),
+                    orjson.dumps(call.sampling_used),
+                    orjson.dumps(call.messages_delta),
+                    orjson.dumps(call.response),
+                    orjson.dumps(call.parse_errors),
+                    orjson.dumps(call.memory),
+                    call.created_at,
+                    call.latency_ms,
+                ),
+            )
+            assert cur.lastrowid is not None
+            return cur.lastrowid
+
+        call_id: int = await self._write(op)
+        call.id = call_id
+        return call_id
+
+    async def calls(self, rollout_id: str) -> list[CallRow]:
+        rows = await self._read(
+            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id=? ORDER BY seq", (rollout_id,)
+        )
+        return [_call_from_row(r) for r in rows]
+
+    async def next_call_seq(self, rollout_id: str) -> int:
+        rows = await self._read(
+            "SELECT COALESCE(MAX(seq), -1) + 1 AS n FROM calls WHERE rollout_id=?", (rollout_id,)
+        )
+        return int(rows[0]["n"])
+
+    async def max_branch_id(self, rollout_id: str) -> int:
+        rows = await self._read(
+            "SELECT COALESCE(MAX(branch_id), -1) AS n FROM calls WHERE rollout_id=?", (rollout_id,)
+        )
+        return int(rows[0]["n"])
+
+    @staticmethod
+    def full_prompts(calls: Sequence[CallRow]) -> dict[int, list[int]]:
+        """Rebuild each call's full prompt ids from the prefix references (calls in seq order)."""
+        by_id = {c.id: c for c in calls}
+        prompts: dict[int, list[int]] = {}
+        for c in calls:
+            assert c.id is not None
+            prefix: list[int] = []
+            if c.parent_call_id is not None and c.prompt_prefix_len:
+                parent = by_id[c.parent_call_id]
+                assert parent.id is not None
+                prefix = (prompts[parent.id] + parent.completion_ids)[: c.prompt_prefix_len]
+            prompts[c.id] = prefix + c.prompt_delta
+        return prompts
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        await asyncio.to_thread(self._writer.join)
+
+
+def _resolve(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)

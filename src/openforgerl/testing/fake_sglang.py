@@ -1,0 +1,261 @@
+"""A FAKE SGLang server: SGLang's native HTTP wire format in front of any Engine (tests only).
+
+SGLang has no CPU build on this project's machines, so `SGLangEngine` is tested against this fake.
+It is not SGLang and samples nothing itself: `/generate` hands the request to the Engine it wraps
+(a ScriptedEngine, or the built-in transformers engine for real tokens) and answers in SGLang's shape:
+
+    POST /generate {"input_ids": [...], "sampling_params": {...}, "return_logprob": true}
+      -> {"text": ..., "output_ids": [...],
+          "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", "matched"|"length"|
+                        "message": ...}, "prompt_tokens", "completion_tokens", "cached_tokens",
+                        "output_token_logprobs": [[logprob, id, null], ...], "weight_version"}}
+    GET  /health, GET /get_model_info, POST /update_weights_from_disk {"model_path": ...}
+
+Like SGLang it trims a matched stop token from `output_ids` (and a stop string from the text) unless
+`no_stop_trim` is set, keeps logprob entries untrimmed, answers refused requests with 400
+{"error": {"message": ...}}, and aborts the generation when the client disconnects. Engine errors
+become: EngineOverloaded -> 429 (what SGLang's router sends), EngineUnavailable -> 503, other
+EngineErrors -> 400; any other exception is a 500, as from SGLang's own server.
+
+Every request body is kept in `app.state.fake.requests` so tests can check the wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from openforgerl.engines.base import (
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    GenerateResult,
+    SamplingParams,
+)
+
+
+@dataclass
+class FakeSGLangState:
+    """What the fake server saw and did; toggle `healthy` to make `/health` answer 503."""
+
+    healthy: bool = True
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    generated: int = 0
+    aborted: int = 0  # generations cancelled because the client went away
+    weight_updates: list[str] = field(default_factory=list)
+
+
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status, headers=headers)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (str, int)):
+        return [value]
+    return list(value)
+
+
+def fake_sglang_app(
+    engine: Engine,
+    *,
+    model_path: str = "fake-sglang-model",
+    context_length: int = 4096,
+    decode: Callable[[Sequence[int]], str] | None = None,
+    manage_engine: bool = True,
+) -> Starlette:
+    """A Starlette app that fakes SGLang's native API over `engine`.
+
+    Args:
+        engine: the Engine that does the generating.
+        model_path: what `/get_model_info` reports.
+        context_length: prompts and prompt + max_new_tokens beyond this are refused with SGLang's 400s.
+        decode: ids -> text for the `text` field (empty text without it).
+        manage_engine: start the engine on startup and close it on shutdown.
+    """
+    state = FakeSGLangState()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.close()
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if state.healthy else 503)
+
+    async def get_model_info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": model_path,
+                "tokenizer_path": model_path,
+                "is_generation": True,
+                "weight_version": str(engine.policy_version),
+                "fake": True,
+            }
+        )
+
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        state.requests.append(body)
+        if body.get("stream"):
+            return _error("the fake SGLang server does not stream", 400)
+        prompt = body.get("input_ids")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            return _error("the fake SGLang server needs input_ids (a list of ints)", 400)
+        sp = body.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 128))
+        # SGLang's own wording, so clients can recognise a context-length refusal.
+        if len(prompt) >= context_length:
+            return _error(
+                f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                f"({context_length} tokens).",
+                400,
+            )
+        if len(prompt) + max_new >= context_length:  # SGLang's own test: it does not clamp
+            return _error(
+                f"Requested token count exceeds the model's maximum context length of {context_length} "
+                f"tokens. You requested a total of {len(prompt) + max_new} tokens: {len(prompt)} tokens "
+                f"from the input messages and {max_new} tokens for the completion. Please reduce the "
+                "number of tokens in the input messages or the completion to fit within the limit.",
+                400,
+            )
+        temperature = float(sp.get("temperature", 1.0))
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=float(sp.get("top_p", 1.0)),
+            max_tokens=max_new,
+            stop=tuple(_as_list(sp.get("stop"))),
+            stop_token_ids=tuple(int(t) for t in _as_list(sp.get("stop_token_ids"))),
+            seed=sp.get("sampling_seed"),
+        )
+        try:
+            result = await _generate_unless_disconnected(request, engine, prompt, sampling, state)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the connection is gone
+        except EngineOverloaded as e:
+            return _error(str(e), 429, {"Retry-After": f"{e.retry_after:g}"})
+        except EngineUnavailable as e:
+            return _error(str(e), 503, {"Retry-After": f"{e.retry_after:g}"})
+        except EngineError as e:
+            return _error(str(e), 400)
+        state.generated += 1
+        return JSONResponse(_sglang_answer(body, prompt, result, decode, max_new))
+
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await request.json()
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            return JSONResponse(
+                {"success": False, "message": "model_path is required", "num_paused_requests": 0}, 400
+            )
+        try:
+            version = await engine.load_weights(path)
+        except EngineError as e:
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, 400)
+        state.weight_updates.append(path)
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Succeeded to update model weights (fake SGLang, version {version}).",
+                "num_paused_requests": 0,
+            }
+        )
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/get_model_info", get_model_info, methods=["GET"]),
+            Route("/generate", generate, methods=["POST", "PUT"]),
+            Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.fake = state
+    return app
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (when the client leaves).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _generate_unless_disconnected(
+    request: Request, engine: Engine, prompt: list[int], sampling: SamplingParams, state: FakeSGLangState
+) -> GenerateResult:
+    """Run the generation, cancelling it if the client disconnects first (as SGLang aborts it)."""
+    gen = asyncio.ensure_future(engine.generate(prompt, sampling))
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if gen.done():
+        return gen.result()
+    gen.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await gen
+    state.aborted += 1
+    raise _ClientGone
+
+
+def _sglang_answer(
+    body: dict[str, Any],
+    prompt: list[int],
+    result: GenerateResult,
+    decode: Callable[[Sequence[int]], str] | None,
+    max_new: int,
+) -> dict[str, Any]:
+    sp = body.get("sampling_params") or {}
+    ids = list(result.completion_ids)
+    if result.finish_reason == "length":
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
+    elif result.finish_reason == "abort":
+        finish = {"type": "abort", "message": "aborted by the engine"}
+    else:
+        # SGLang names the EOS / stop id / stop string matched; an engine that gave no reason
+        # stopped on its EOS, the last id.
+        matched = result.stop_reason if result.stop_reason is not None else (ids[-1] if ids else None)
+        finish = {"type": "stop", "matched": matched}
+    output_ids = ids
+    text = decode(ids) if decode is not None else ""
+    if not sp.get("no_stop_trim", False) and finish["type"] == "stop":
+        matched = finish["matched"]
+        if isinstance(matched, int) and ids and ids[-1] == matched:
+            output_ids = ids[:-1]
+            text = decode(output_ids) if decode is not None else ""
+        elif isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+    meta: dict[str, Any] = {
+        "id": uuid.uuid4().hex,
+        "finish_reason": finish,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "weight_version": str(result.policy_version),
+    }
+    if body.get("return_logprob"):
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, ids, strict=True)]
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}

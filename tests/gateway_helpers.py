@@ -1,0 +1,89 @@
+"""Shared pieces of the gateway tests: a scripted engine and a gateway-in-a-thread fixture."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import AutoTokenizer
+
+from openforgerl.engines.base import EngineUnavailable, GenerateResult, SamplingParams
+from openforgerl.gateway.server import GatewayConfig
+from openforgerl.testing.gateway import RunningGateway, gateway_thread
+
+
+class ScriptEngine:
+    """A SCRIPTED engine for deterministic tests: answers with texts a test chooses, encoded with the
+    real tokenizer and ended with the turn-end token, as a model would sample them."""
+
+    name = "scripted"
+    max_context = 4096
+
+    def __init__(self, model_dir: str | Path, script: Callable[[list[int]], str] | None = None) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.script = script or (lambda prompt: "Hello from the script.")
+        self.end_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.prompts: list[list[int]] = []
+        self.down = False
+        self.delay = 0.0
+        self.cancelled = 0
+        self._version = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def load_weights(self, path: str) -> int:
+        self._version += 1
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        if self.down:
+            raise EngineUnavailable("scripted outage", retry_after=2)
+        self.prompts.append(list(prompt_ids))
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        ids = self.tokenizer.encode(self.script(prompt_ids), add_special_tokens=False)
+        ids = ids[: sampling.max_tokens]
+        if len(ids) < sampling.max_tokens:
+            ids.append(self.end_id)
+            finish, reason = "stop", self.end_id
+        else:
+            finish, reason = "length", None
+        return GenerateResult(ids, [-0.5] * len(ids), finish, self._version, reason)  # type: ignore[arg-type]
+
+
+@contextmanager
+def running_gateway(
+    model_dir: str | Path, tmp_path: Path, engine: Any = None, **cfg: Any
+) -> Iterator[RunningGateway]:
+    config = GatewayConfig(model=str(model_dir), store=str(tmp_path / "gw.db"), **cfg)
+    with gateway_thread(config, engine) as gw:
+        yield gw
+
+
+def new_rollout(gw: RunningGateway, **body: Any) -> dict[str, Any]:
+    r = httpx.post(gw.url + "/admin/rollouts", json=body, headers=gw.admin_headers, timeout=30)
+    assert r.status_code == 201, r.text
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def calls_of(gw: RunningGateway, rollout_id: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{gw.url}/admin/rollouts/{rollout_id}/calls", headers=gw.admin_headers, timeout=30)
+    assert r.status_code == 200, r.text
+    calls: list[dict[str, Any]] = r.json()["calls"]
+    return calls

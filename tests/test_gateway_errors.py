@@ -1,0 +1,177 @@
+"""Bad input and failures get a clear error in the OpenAI shape, and the gateway goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+@pytest.fixture()
+def gw(tiny_model_dir: Path, tmp_path: Path) -> Any:
+    engine = ScriptEngine(tiny_model_dir)
+    with running_gateway(
+        tiny_model_dir, tmp_path, engine, max_context=256, max_body=20_000, max_inflight=4
+    ) as g:
+        g.engine = engine  # type: ignore[attr-defined]
+        yield g
+
+
+def chat(gw: Any, rollout: dict[str, Any], body: Any, **kw: Any) -> httpx.Response:
+    headers = {"authorization": f"Bearer {rollout['api_key']}", **kw.pop("headers", {})}
+    url = rollout["base_url"] + "/v1/chat/completions"
+    if isinstance(body, bytes):
+        return httpx.post(url, content=body, headers=headers, timeout=30, **kw)
+    return httpx.post(url, json=body, headers=headers, timeout=30, **kw)
+
+
+def test_malformed_json_and_schema(gw: Any) -> None:
+    ro = new_rollout(gw)
+    assert "not valid JSON" in assert_openai_error(chat(gw, ro, b"{not json"), 400)["message"]
+    assert assert_openai_error(chat(gw, ro, {"model": "m"}), 400)["param"] == "messages"
+    err = assert_openai_error(
+        chat(gw, ro, {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}), 400
+    )
+    assert err["param"] == "messages.0.role"
+    err = assert_openai_error(
+        chat(gw, ro, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}), 400
+    )
+    assert err["param"] == "temperature"
+    assert_openai_error(
+        chat(gw, ro, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}), 400
+    )
+    assert_openai_error(chat(gw, ro, [1, 2, 3]), 400)
+
+
+def test_keys(gw: Any) -> None:
+    ro = new_rollout(gw)
+    url = ro["base_url"] + "/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert_openai_error(httpx.post(url, json=body), 401, "invalid_api_key")
+    assert_openai_error(
+        httpx.post(url, json=body, headers={"authorization": "Bearer nope"}), 401, "invalid_api_key"
+    )
+    # Other dialects' key headers are accepted too.
+    assert httpx.post(url, json=body, headers={"x-api-key": ro["api_key"]}, timeout=30).status_code == 200
+    assert (
+        httpx.post(url, json=body, headers={"x-goog-api-key": ro["api_key"]}, timeout=30).status_code == 200
+    )
+    # The plain /v1 path (no rollout prefix) finds the rollout by its key alone.
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", json=body, headers={"x-api-key": ro["api_key"]}, timeout=30
+    )
+    assert r.status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=ro["base_url"] + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in OpenAI(base_url=ro["base_url"] + "/v1", api_key=ro["api_key"]).models.list()]
+
+
+def test_body_too_large(gw: Any) -> None:
+    ro = new_rollout(gw)
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * 30_000}]}
+    assert_openai_error(chat(gw, ro, big), 413)
+
+
+def test_context_length_exceeded_in_the_words_clients_know(gw: Any) -> None:
+    ro = new_rollout(gw)
+    client = OpenAI(base_url=ro["base_url"] + "/v1", api_key=ro["api_key"], max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 2000}])
+    assert info.value.code == "context_length_exceeded"
+    assert "maximum context length is 256 tokens" in info.value.message
+
+
+def test_engine_down_is_503_with_retry_after(gw: Any) -> None:
+    ro = new_rollout(gw)
+    gw.engine.down = True
+    r = chat(gw, ro, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert_openai_error(r, 503)
+    assert r.headers["retry-after"] == "2"
+    gw.engine.down = False
+    assert chat(gw, ro, {"model": "m", "messages": [{"role": "user", "content": "x"}]}).status_code == 200
+    statuses = [c["status"] for c in calls_of(gw, ro["rollout_id"])]
+    assert statuses == ["error", "ok"]
+
+
+def test_overload_is_429_with_retry_after(gw: Any) -> None:
+    gw.engine.delay = 1.0
+    rollouts = [new_rollout(gw) for _ in range(10)]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(
+                *[
+                    client.post(
+                        ro["base_url"] + "/v1/chat/completions",
+                        json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                        headers={"authorization": f"Bearer {ro['api_key']}"},
+                    )
+                    for ro in rollouts
+                ]
+            )
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 4 and 429 in codes
+    for r in responses:
+        if r.status_code == 429:
+            assert_openai_error(r, 429)
+            assert int(r.headers["retry-after"]) >= 1
+
+
+def test_client_disconnect_mid_stream_aborts_and_is_recorded(gw: Any) -> None:
+    gw.engine.delay = 30.0
+    ro = new_rollout(gw)
+    with httpx.stream(
+        "POST",
+        ro["base_url"] + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True},
+        headers={"authorization": f"Bearer {ro['api_key']}"},
+        timeout=30,
+    ) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not gw.engine.cancelled:
+        time.sleep(0.05)
+    assert gw.engine.cancelled == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not calls_of(gw, ro["rollout_id"]):
+        time.sleep(0.05)
+    [call] = calls_of(gw, ro["rollout_id"])
+    assert call["status"] == "aborted" and call["finish_reason"] == "abort"
+
+
+def test_unknown_routes_and_admin_validation(gw: Any) -> None:
+    ro = new_rollout(gw)
+    assert_openai_error(httpx.post(ro["base_url"] + "/v1/completely/unknown", json={}), 404)
+    h = gw.admin_headers
+    assert_openai_error(httpx.get(gw.url + "/admin/rollouts?limit=abc", headers=h), 400)
+    assert_openai_error(httpx.get(gw.url + "/admin/rollouts?limit=0", headers=h), 400)
+    assert_openai_error(httpx.get(gw.url + "/admin/rollouts/ro_missing/calls", headers=h), 404)
+    assert_openai_error(httpx.post(gw.url + "/admin/rollouts", content=b"[", headers=h), 400)
+    assert_openai_error(
+        httpx.post(gw.url + "/admin/rollouts", json={"sampling": {"warp": 9}}, headers=h), 400
+    )
+    close = f"{gw.url}/admin/rollouts/{ro['rollout_id']}/close"
+    assert_openai_error(httpx.post(close, json={"reward": "high"}, headers=h), 400)
+    assert_openai_error(httpx.post(close, json={"status": "exploded"}, headers=h), 400)
+    assert_openai_error(httpx.post(gw.url + "/admin/rollouts", json={}), 401)

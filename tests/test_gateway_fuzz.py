@@ -1,0 +1,138 @@
+"""Property-based fuzzing of request bodies and headers: every answer is a well-formed error or a
+valid completion, and the gateway keeps serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.gateway_helpers import ScriptEngine, new_rollout, running_gateway
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=30)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "bogus", 3, None])
+content = (
+    st.none()
+    | st.text(max_size=60)
+    | st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url", "weird"]), "text": st.text(max_size=20)}
+        ),
+        max_size=3,
+    )
+)
+tool_call = st.fixed_dictionaries(
+    {
+        "id": st.text(max_size=8),
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.text(max_size=10), "arguments": st.text(max_size=30) | json_values}
+        ),
+    }
+)
+message = st.fixed_dictionaries(
+    {"role": roles, "content": content},
+    optional={
+        "tool_calls": st.lists(tool_call, max_size=2),
+        "tool_call_id": st.text(max_size=8),
+        "name": json_values,
+    },
+)
+near_valid = st.fixed_dictionaries(
+    {"model": st.text(max_size=20) | json_values, "messages": st.lists(message, max_size=4) | json_values},
+    optional={
+        "stream": st.booleans() | json_values,
+        "temperature": st.floats(-1, 3) | json_values,
+        "top_p": st.floats(-1, 2),
+        "max_tokens": st.integers(-5, 100_000) | json_values,
+        "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3) | json_values,
+        "tools": st.lists(
+            st.fixed_dictionaries({"type": st.just("function"), "function": json_values}), max_size=2
+        ),
+        "tool_choice": json_values,
+        "n": st.integers(-2, 3),
+        "stream_options": json_values,
+        "logprobs": st.booleans(),
+    },
+)
+bodies = near_valid.map(orjson.dumps) | json_values.map(orjson.dumps) | st.binary(max_size=200)
+header_text = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+
+
+@pytest.fixture(scope="module")
+def gw(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    engine = ScriptEngine(tiny_model_dir)
+    with running_gateway(tiny_model_dir, tmp_path_factory.mktemp("fuzz"), engine, max_tokens=8) as g:
+        g.rollout = new_rollout(g)  # type: ignore[attr-defined]
+        yield g
+
+
+def check_answer(r: httpx.Response) -> None:
+    assert r.status_code in (200, 400, 401, 403, 404, 405, 413, 422, 429), r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and isinstance(err["type"], str)
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        for e in events[:-1]:
+            assert orjson.loads(e)["object"] == "chat.completion.chunk"
+    else:
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies)
+def test_fuzzed_bodies(gw: Any, body: bytes) -> None:
+    ro = gw.rollout
+    r = httpx.post(
+        ro["base_url"] + "/v1/chat/completions",
+        content=body,
+        headers={"authorization": f"Bearer {ro['api_key']}", "content-type": "application/json"},
+        timeout=30,
+    )
+    check_answer(r)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    auth=header_text,
+    extra=st.dictionaries(
+        st.sampled_from(
+            ["x-api-key", "x-goog-api-key", "content-type", "content-length", "accept", "x-stainless-os"]
+        ),
+        header_text,
+        max_size=3,
+    ),
+    path=st.sampled_from(
+        ["/v1/chat/completions", "/v1/models", "/v1/x", "/admin/rollouts", "/r/ro_x/v1/chat/completions"]
+    ),
+    method=st.sampled_from(["GET", "POST", "PUT"]),
+)
+def test_fuzzed_headers_and_paths(gw: Any, auth: str, extra: dict[str, str], path: str, method: str) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    headers = {"authorization": auth, **extra}
+    headers.pop("content-length", None)  # a lying length is the client library's business, not ours
+    r = httpx.request(method, gw.url + path, content=body, headers=headers, timeout=30)
+    check_answer(r)
+    assert httpx.get(gw.url + "/health").status_code == 200

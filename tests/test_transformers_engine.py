@@ -1,0 +1,350 @@
+"""TransformersEngine on the tiny kit model: batching, sampling, logprobs, cancellation, weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import shutil
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from openforgerl.engines.base import (
+    ContextLengthExceeded,
+    Engine,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    GenerateResult,
+    SamplingParams,
+)
+from openforgerl.engines.transformers_engine import TransformersEngine
+from openforgerl.modelkit import cached_model
+
+# Recorded logprobs vs a teacher-forced forward over prompt + completion, float32 on CPU.
+# Measured about 4e-6; batched rows differ from solo ones only in summation order.
+LOGPROB_TOL = 1e-4
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+# The random model's greedy text repeats one token; a seeded sample varies and replays exactly.
+SEEDED = SamplingParams(temperature=1.0, max_tokens=24, seed=7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    # A tiny model gains nothing from a second thread, and OpenMP threads stall badly on shared cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return cached_model("tiny", 0)
+
+
+def _copy_model(src: Path, out: Path, scale: float = 1.0, eos: list[int] | None = None) -> Path:
+    """A copy of `src` with the embedding (tied to the LM head) scaled and/or other EOS ids."""
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(scale)
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if not f.name.startswith(("model", "config")):  # tokenizer and generation files
+            shutil.copy(f, out / f.name)
+    if eos is not None:
+        gen = json.loads((out / "generation_config.json").read_text())
+        gen["eos_token_id"] = eos
+        (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clearly different checkpoint: a 3x embedding makes the near-uniform random model peaked."""
+    return _copy_model(model_dir, tmp_path_factory.mktemp("sharp"), scale=3.0)
+
+
+@asynccontextmanager
+async def running(model_dir: Path, **kwargs: Any) -> AsyncIterator[TransformersEngine]:
+    engine = TransformersEngine(model_dir, device="cpu", **kwargs)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+
+def prompt(engine: TransformersEngine, text: str) -> list[int]:
+    return list(engine.tokenizer.encode(text))
+
+
+@functools.cache
+def _reference_model(model_dir: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def teacher_logprobs(model_dir: Path, prompt_ids: list[int], result: GenerateResult, temperature: float) -> torch.Tensor:
+    """Log-probabilities of the completion from one unbatched forward over prompt + completion."""
+    model = _reference_model(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + result.completion_ids])).logits[0].float()
+    logits = logits[len(prompt_ids) - 1 : -1]
+    if temperature > 0:
+        logits = logits / temperature
+    ids = torch.tensor(result.completion_ids)[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, ids).squeeze(-1)
+
+
+async def wait_until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.005)
+
+
+def test_is_an_engine(model_dir: Path) -> None:
+    engine = TransformersEngine(model_dir)
+    assert isinstance(engine, Engine)
+    assert engine.name == "transformers"
+    assert engine.max_context == engine.config.max_position_embeddings
+    assert engine.policy_version == 0
+    assert engine.tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.eos_token_ids
+
+
+def test_batching_batches(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            params = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
+            texts = [f"def f{i}(x):" + " return x" * i for i in range(8)]
+            results = await asyncio.gather(*(engine.generate(prompt(engine, t), params) for t in texts))
+            tokens = sum(len(r.completion_ids) for r in results)
+            assert engine.stats["tokens"] == tokens
+            assert engine.stats["requests"] == 8
+            assert engine.stats["max_batch_size"] > 1
+            assert engine.stats["steps"] < tokens  # serial decoding needs one forward pass per token
+
+    run(main)
+
+
+def test_logprobs_match_teacher_forcing_when_batched(model_dir: Path) -> None:
+    """Rows of different lengths, some joining a running batch, with every sampling mode."""
+    settings = [
+        SamplingParams(temperature=1.0, max_tokens=24, seed=1),
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=0.7, top_p=0.9, max_tokens=28, seed=2),
+        SamplingParams(temperature=1.3, max_tokens=16, seed=3),
+    ]
+
+    async def main() -> None:
+        async with running(model_dir, max_batch_size=8) as engine:
+            texts = ["import os", "class Foo(object):\n    def __init__(self, a, b):", "x", "for i in range(10):"]
+            prompts = [prompt(engine, t) for t in texts]
+            first = [asyncio.create_task(engine.generate(p, s)) for p, s in zip(prompts, settings, strict=True)]
+            await wait_until(lambda: engine.stats["tokens"] > 0)
+            late = [asyncio.create_task(engine.generate(p[::-1], s)) for p, s in zip(prompts, settings, strict=True)]
+            results = await asyncio.gather(*first, *late)
+            assert engine.stats["joined"] >= 1  # the late ones joined the running batch
+
+        worst = 0.0
+        for p, s, r in zip(prompts + [p[::-1] for p in prompts], settings * 2, results, strict=True):
+            assert len(r.logprobs) == len(r.completion_ids) > 0
+            expected = teacher_logprobs(model_dir, p, r, s.temperature)
+            worst = max(worst, (expected - torch.tensor(r.logprobs)).abs().max().item())
+        assert worst < LOGPROB_TOL
+
+    run(main)
+
+
+def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            p = prompt(engine, "def main():")
+            alone = await engine.generate(p, GREEDY)
+            others = [engine.generate(prompt(engine, "#" * i), GREEDY) for i in range(1, 6)]
+            together, *_ = await asyncio.gather(engine.generate(p, GREEDY), *others)
+            assert together.completion_ids == alone.completion_ids
+            assert alone.finish_reason == "length" and len(alone.completion_ids) == GREEDY.max_tokens
+            # top_p so small that only the argmax survives: greedy ids, temperature-1 logprobs.
+            nucleus = await engine.generate(p, SamplingParams(temperature=1.0, top_p=1e-9, max_tokens=12))
+            assert nucleus.completion_ids == alone.completion_ids
+            assert nucleus.logprobs == pytest.approx(alone.logprobs, abs=LOGPROB_TOL)
+
+    run(main)
+
+
+def test_seed_reproducible_regardless_of_batch_mates(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            p = prompt(engine, "while True:")
+            seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=1234)
+            alone = await engine.generate(p, seeded)
+            mates = [engine.generate(p, SamplingParams(temperature=1.0, max_tokens=30)) for _ in range(4)]
+            together, *_ = await asyncio.gather(engine.generate(p, seeded), *mates)
+            assert together.completion_ids == alone.completion_ids
+            other = await engine.generate(p, SamplingParams(temperature=1.0, max_tokens=20, seed=4321))
+            assert other.completion_ids != alone.completion_ids
+
+    run(main)
+
+
+def test_stop_string_ends_at_the_completing_token(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            p = prompt(engine, "print(")
+            free = await engine.generate(p, SEEDED)
+            decode = engine.tokenizer.decode
+            # The first token k whose text adds something, and a stop string made of what it completed.
+            for k in range(2, len(free.completion_ids)):
+                before, text = decode(free.completion_ids[:k]), decode(free.completion_ids[: k + 1])
+                stop = before[-2:] + text[len(before) :]
+                if text.startswith(before) and len(text) > len(before) and stop not in before:
+                    break
+            else:
+                pytest.fail("no usable stop string in the greedy completion")
+            r = await engine.generate(p, replace(SEEDED, stop=("\x00", stop)))
+            assert r.completion_ids == free.completion_ids[: k + 1]
+            assert (r.finish_reason, r.stop_reason) == ("stop", stop)
+
+            tok = free.completion_ids[3]
+            r = await engine.generate(p, replace(SEEDED, stop_token_ids=(tok,)))
+            first = free.completion_ids.index(tok)
+            assert r.completion_ids == free.completion_ids[: first + 1]
+            assert (r.finish_reason, r.stop_reason) == ("stop", tok)
+
+    run(main)
+
+
+def test_eos_from_generation_config_stops(model_dir: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            p = prompt(engine, "return")
+            free = await engine.generate(p, SEEDED)
+        eos = free.completion_ids[4]
+        first = free.completion_ids.index(eos)
+        async with running(_copy_model(model_dir, tmp_path, eos=[eos])) as engine:
+            assert engine.eos_token_ids == {eos}
+            r = await engine.generate(p, SEEDED)
+            assert r.completion_ids == free.completion_ids[: first + 1]  # EOS is kept as the last id
+            assert (r.finish_reason, r.stop_reason) == ("stop", None)
+
+    run(main)
+
+
+def test_cancellation_frees_the_row(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            p = prompt(engine, "import sys")
+            long = SamplingParams(temperature=1.0, max_tokens=3000)
+            task = asyncio.create_task(engine.generate(p, long))
+            await wait_until(lambda: engine.stats["tokens"] >= 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_until(lambda: engine.stats["running"] == 0)
+            assert engine.stats["cancelled"] == 1
+            spent = engine.stats["tokens"]
+            assert spent < long.max_tokens
+            r = await engine.generate(p, GREEDY)  # the engine carries on
+            assert engine.stats["tokens"] == spent + len(r.completion_ids)
+
+    run(main)
+
+
+def test_queue_limit_overloads(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir, max_batch_size=1, max_queue=2) as engine:
+            p = prompt(engine, "def")
+            params = SamplingParams(temperature=1.0, max_tokens=40)
+            outcomes = await asyncio.gather(*(engine.generate(p, params) for _ in range(6)), return_exceptions=True)
+            overloaded = [o for o in outcomes if isinstance(o, EngineOverloaded)]
+            served = [o for o in outcomes if isinstance(o, GenerateResult)]
+            # At most one running and two queued when all six arrive in the same loop iteration.
+            assert len(overloaded) >= 3 and len(served) + len(overloaded) == 6
+            assert overloaded[0].retry_after > 0
+
+    run(main)
+
+
+def test_unavailable_before_start_and_after_close(model_dir: Path) -> None:
+    async def main() -> None:
+        engine = TransformersEngine(model_dir)
+        with pytest.raises(EngineUnavailable):
+            await engine.generate([1, 2, 3], GREEDY)
+        await engine.start()
+        p = prompt(engine, "async def")
+        task = asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=3000)))
+        await wait_until(lambda: engine.stats["tokens"] > 0)
+        await engine.close()
+        r = await task
+        assert r.finish_reason == "abort" and 0 < len(r.completion_ids) < 3000
+        assert len(r.logprobs) == len(r.completion_ids)
+        with pytest.raises(EngineUnavailable):
+            await engine.generate(p, GREEDY)
+
+    run(main)
+
+
+def test_context_length(model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir, max_context=32) as engine:
+            assert engine.max_context == 32
+            with pytest.raises(ContextLengthExceeded) as info:
+                await engine.generate([5] * 32, GREEDY)
+            assert isinstance(info.value, ValueError) and isinstance(info.value, EngineError)
+            assert (info.value.prompt_tokens, info.value.max_context) == (32, 32)
+            # Only the completion would overflow: max_tokens is clamped to the room left.
+            r = await engine.generate([5] * 28, SamplingParams(temperature=0.0, max_tokens=100))
+            assert len(r.completion_ids) <= 4
+            with pytest.raises(EngineError):
+                await engine.generate([engine.vocab_size], GREEDY)
+
+    run(main)
+
+
+def test_load_weights_swaps_between_generations(model_dir: Path, sharp_dir: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            p = prompt(engine, "def load(path):")
+            before = await engine.generate(p, GREEDY)
+            assert before.policy_version == 0
+            # Generations in flight around the swap: each must come wholly from the version it reports.
+            sampled = SamplingParams(temperature=1.0, max_tokens=64, seed=5)
+            racing = [asyncio.create_task(engine.generate(p, sampled))]
+            await wait_until(lambda: engine.stats["tokens"] > len(before.completion_ids))
+            swap = asyncio.create_task(engine.load_weights(str(sharp_dir)))
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+                racing.append(asyncio.create_task(engine.generate(p, sampled)))
+            assert await swap == 1
+            assert engine.policy_version == 1
+            after = await engine.generate(p, GREEDY)
+            raced = await asyncio.gather(*racing)
+
+        assert after.policy_version == 1
+        assert raced[0].policy_version == 0  # it was mid-generation when the swap was asked for
+        assert after.logprobs != pytest.approx(before.logprobs, abs=1e-2)
+        checkpoints = {0: model_dir, 1: sharp_dir}
+        for r, t in [(after, 0.0)] + [(r, 1.0) for r in raced]:
+            expected = teacher_logprobs(checkpoints[r.policy_version], p, r, t)
+            assert (expected - torch.tensor(r.logprobs)).abs().max().item() < LOGPROB_TOL
+
+
+def test_load_weights_rejects_a_foreign_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with running(model_dir) as engine:
+            with pytest.raises(EngineError):
+                await engine.load_weights(str(tmp_path))  # no safetensors at all
+            assert engine.policy_version == 0
+
+    run(main)
