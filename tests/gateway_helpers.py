@@ -70,7 +70,7 @@ class ScriptEngine:
 def running_gateway(
     model_dir: str | Path, tmp_path: Path, engine: Any = None, **cfg: Any
 ) -> Iterator[RunningGateway]:
-    config = GatewayConfig(model=str(model_dir), store=str(tmp_path / "gw.db"), **cfg)
+    config = GatewayConfig(model=str(model_dir), store=str(tmp_path / "gw.db"), port=0, **cfg)
     with gateway_thread(config, engine) as gw:
         yield gw
 

@@ -74,7 +74,8 @@ near_valid = st.fixed_dictionaries(
     },
 )
 bodies = near_valid.map(orjson.dumps) | json_values.map(orjson.dumps) | st.binary(max_size=200)
-header_text = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+# h11 (the client) refuses header values with surrounding whitespace; the server never sees those.
+header_text = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40).map(str.strip)
 
 
 @pytest.fixture(scope="module")

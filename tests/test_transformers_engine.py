@@ -26,10 +26,9 @@ from openforgerl.engines.base import (
     SamplingParams,
 )
 from openforgerl.engines.transformers_engine import TransformersEngine
-from openforgerl.modelkit import cached_model
 
 # Recorded logprobs vs a teacher-forced forward over prompt + completion, float32 on CPU.
-# Measured about 4e-6; batched rows differ from solo ones only in summation order.
+# Measured at most 2.4e-6; batched rows differ from solo ones only in summation order.
 LOGPROB_TOL = 1e-4
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -46,14 +45,9 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return cached_model("tiny", 0)
-
-
 def _copy_model(src: Path, out: Path, scale: float = 1.0, eos: list[int] | None = None) -> Path:
     """A copy of `src` with the embedding (tied to the LM head) scaled and/or other EOS ids."""
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(scale)
     model.save_pretrained(out)
@@ -68,9 +62,9 @@ def _copy_model(src: Path, out: Path, scale: float = 1.0, eos: list[int] | None 
 
 
 @pytest.fixture(scope="module")
-def sharp_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sharp_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clearly different checkpoint: a 3x embedding makes the near-uniform random model peaked."""
-    return _copy_model(model_dir, tmp_path_factory.mktemp("sharp"), scale=3.0)
+    return _copy_model(tiny_model_dir, tmp_path_factory.mktemp("sharp"), scale=3.0)
 
 
 @asynccontextmanager
@@ -96,7 +90,9 @@ def _reference_model(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def teacher_logprobs(model_dir: Path, prompt_ids: list[int], result: GenerateResult, temperature: float) -> torch.Tensor:
+def teacher_logprobs(
+    model_dir: Path, prompt_ids: list[int], result: GenerateResult, temperature: float
+) -> torch.Tensor:
     """Log-probabilities of the completion from one unbatched forward over prompt + completion."""
     model = _reference_model(model_dir)
     with torch.no_grad():
@@ -109,12 +105,16 @@ def teacher_logprobs(model_dir: Path, prompt_ids: list[int], result: GenerateRes
 
 
 async def wait_until(cond: Callable[[], bool]) -> None:
-    while not cond():
+    """Poll a condition that the worker thread makes true (there is no event to await across threads)."""
+    for _ in range(10_000):
+        if cond():
+            return
         await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
 
 
-def test_is_an_engine(model_dir: Path) -> None:
-    engine = TransformersEngine(model_dir)
+def test_is_an_engine(tiny_model_dir: Path) -> None:
+    engine = TransformersEngine(tiny_model_dir)
     assert isinstance(engine, Engine)
     assert engine.name == "transformers"
     assert engine.max_context == engine.config.max_position_embeddings
@@ -122,9 +122,9 @@ def test_is_an_engine(model_dir: Path) -> None:
     assert engine.tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.eos_token_ids
 
 
-def test_batching_batches(model_dir: Path) -> None:
+def test_batching_batches(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             params = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
             texts = [f"def f{i}(x):" + " return x" * i for i in range(8)]
             results = await asyncio.gather(*(engine.generate(prompt(engine, t), params) for t in texts))
@@ -137,7 +137,7 @@ def test_batching_batches(model_dir: Path) -> None:
     run(main)
 
 
-def test_logprobs_match_teacher_forcing_when_batched(model_dir: Path) -> None:
+def test_logprobs_match_teacher_forcing_when_batched(tiny_model_dir: Path) -> None:
     """Rows of different lengths, some joining a running batch, with every sampling mode."""
     settings = [
         SamplingParams(temperature=1.0, max_tokens=24, seed=1),
@@ -147,28 +147,38 @@ def test_logprobs_match_teacher_forcing_when_batched(model_dir: Path) -> None:
     ]
 
     async def main() -> None:
-        async with running(model_dir, max_batch_size=8) as engine:
-            texts = ["import os", "class Foo(object):\n    def __init__(self, a, b):", "x", "for i in range(10):"]
+        async with running(tiny_model_dir, max_batch_size=8) as engine:
+            texts = [
+                "import os",
+                "class Foo(object):\n    def __init__(self, a, b):",
+                "x",
+                "for i in range(10):",
+            ]
             prompts = [prompt(engine, t) for t in texts]
-            first = [asyncio.create_task(engine.generate(p, s)) for p, s in zip(prompts, settings, strict=True)]
+            first = [
+                asyncio.create_task(engine.generate(p, s)) for p, s in zip(prompts, settings, strict=True)
+            ]
             await wait_until(lambda: engine.stats["tokens"] > 0)
-            late = [asyncio.create_task(engine.generate(p[::-1], s)) for p, s in zip(prompts, settings, strict=True)]
+            late = [
+                asyncio.create_task(engine.generate(p[::-1], s))
+                for p, s in zip(prompts, settings, strict=True)
+            ]
             results = await asyncio.gather(*first, *late)
             assert engine.stats["joined"] >= 1  # the late ones joined the running batch
 
         worst = 0.0
         for p, s, r in zip(prompts + [p[::-1] for p in prompts], settings * 2, results, strict=True):
             assert len(r.logprobs) == len(r.completion_ids) > 0
-            expected = teacher_logprobs(model_dir, p, r, s.temperature)
+            expected = teacher_logprobs(tiny_model_dir, p, r, s.temperature)
             worst = max(worst, (expected - torch.tensor(r.logprobs)).abs().max().item())
         assert worst < LOGPROB_TOL
 
     run(main)
 
 
-def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) -> None:
+def test_greedy_is_deterministic_and_batch_independent(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             p = prompt(engine, "def main():")
             alone = await engine.generate(p, GREEDY)
             others = [engine.generate(prompt(engine, "#" * i), GREEDY) for i in range(1, 6)]
@@ -183,9 +193,9 @@ def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) -> None:
     run(main)
 
 
-def test_seed_reproducible_regardless_of_batch_mates(model_dir: Path) -> None:
+def test_seed_reproducible_regardless_of_batch_mates(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             p = prompt(engine, "while True:")
             seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=1234)
             alone = await engine.generate(p, seeded)
@@ -198,9 +208,9 @@ def test_seed_reproducible_regardless_of_batch_mates(model_dir: Path) -> None:
     run(main)
 
 
-def test_stop_string_ends_at_the_completing_token(model_dir: Path) -> None:
+def test_stop_string_ends_at_the_completing_token(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             p = prompt(engine, "print(")
             free = await engine.generate(p, SEEDED)
             decode = engine.tokenizer.decode
@@ -225,14 +235,14 @@ def test_stop_string_ends_at_the_completing_token(model_dir: Path) -> None:
     run(main)
 
 
-def test_eos_from_generation_config_stops(model_dir: Path, tmp_path: Path) -> None:
+def test_eos_from_generation_config_stops(tiny_model_dir: Path, tmp_path: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             p = prompt(engine, "return")
             free = await engine.generate(p, SEEDED)
         eos = free.completion_ids[4]
         first = free.completion_ids.index(eos)
-        async with running(_copy_model(model_dir, tmp_path, eos=[eos])) as engine:
+        async with running(_copy_model(tiny_model_dir, tmp_path, eos=[eos])) as engine:
             assert engine.eos_token_ids == {eos}
             r = await engine.generate(p, SEEDED)
             assert r.completion_ids == free.completion_ids[: first + 1]  # EOS is kept as the last id
@@ -241,9 +251,9 @@ def test_eos_from_generation_config_stops(model_dir: Path, tmp_path: Path) -> No
     run(main)
 
 
-def test_cancellation_frees_the_row(model_dir: Path) -> None:
+def test_cancellation_frees_the_row(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             p = prompt(engine, "import sys")
             long = SamplingParams(temperature=1.0, max_tokens=3000)
             task = asyncio.create_task(engine.generate(p, long))
@@ -261,12 +271,14 @@ def test_cancellation_frees_the_row(model_dir: Path) -> None:
     run(main)
 
 
-def test_queue_limit_overloads(model_dir: Path) -> None:
+def test_queue_limit_overloads(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir, max_batch_size=1, max_queue=2) as engine:
+        async with running(tiny_model_dir, max_batch_size=1, max_queue=2) as engine:
             p = prompt(engine, "def")
             params = SamplingParams(temperature=1.0, max_tokens=40)
-            outcomes = await asyncio.gather(*(engine.generate(p, params) for _ in range(6)), return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(engine.generate(p, params) for _ in range(6)), return_exceptions=True
+            )
             overloaded = [o for o in outcomes if isinstance(o, EngineOverloaded)]
             served = [o for o in outcomes if isinstance(o, GenerateResult)]
             # At most one running and two queued when all six arrive in the same loop iteration.
@@ -276,9 +288,9 @@ def test_queue_limit_overloads(model_dir: Path) -> None:
     run(main)
 
 
-def test_unavailable_before_start_and_after_close(model_dir: Path) -> None:
+def test_unavailable_before_start_and_after_close(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        engine = TransformersEngine(model_dir)
+        engine = TransformersEngine(tiny_model_dir)
         with pytest.raises(EngineUnavailable):
             await engine.generate([1, 2, 3], GREEDY)
         await engine.start()
@@ -295,9 +307,9 @@ def test_unavailable_before_start_and_after_close(model_dir: Path) -> None:
     run(main)
 
 
-def test_context_length(model_dir: Path) -> None:
+def test_context_length(tiny_model_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir, max_context=32) as engine:
+        async with running(tiny_model_dir, max_context=32) as engine:
             assert engine.max_context == 32
             with pytest.raises(ContextLengthExceeded) as info:
                 await engine.generate([5] * 32, GREEDY)
@@ -312,9 +324,9 @@ def test_context_length(model_dir: Path) -> None:
     run(main)
 
 
-def test_load_weights_swaps_between_generations(model_dir: Path, sharp_dir: Path) -> None:
+def test_load_weights_swaps_between_generations(tiny_model_dir: Path, sharp_dir: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             p = prompt(engine, "def load(path):")
             before = await engine.generate(p, GREEDY)
             assert before.policy_version == 0
@@ -334,15 +346,15 @@ def test_load_weights_swaps_between_generations(model_dir: Path, sharp_dir: Path
         assert after.policy_version == 1
         assert raced[0].policy_version == 0  # it was mid-generation when the swap was asked for
         assert after.logprobs != pytest.approx(before.logprobs, abs=1e-2)
-        checkpoints = {0: model_dir, 1: sharp_dir}
+        checkpoints = {0: tiny_model_dir, 1: sharp_dir}
         for r, t in [(after, 0.0)] + [(r, 1.0) for r in raced]:
             expected = teacher_logprobs(checkpoints[r.policy_version], p, r, t)
             assert (expected - torch.tensor(r.logprobs)).abs().max().item() < LOGPROB_TOL
 
 
-def test_load_weights_rejects_a_foreign_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+def test_load_weights_rejects_a_foreign_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
     async def main() -> None:
-        async with running(model_dir) as engine:
+        async with running(tiny_model_dir) as engine:
             with pytest.raises(EngineError):
                 await engine.load_weights(str(tmp_path))  # no safetensors at all
             assert engine.policy_version == 0

@@ -128,7 +128,7 @@ class PromptPlan:
     keys: list[bytes]
     tools_key: bytes
     parent: Tip | None
-    prefix_len: int  # ids taken from the parent tip
+    prefix_len: int  # ids taken from the parent tip (its prompt + completion)
     first_new_message: int  # index of the first message the parent had not seen
     miss_reason: str  # why no tip was extended ('' when one was)
 
@@ -173,15 +173,17 @@ class TokenMemory:
                 if end < 0:
                     reason = "the echoed assistant turn has no turn end in the rendered prompt"
                 else:
-                    prefix = best.ids if best.ended_with_turn_end else [*best.ids, self.renderer.turn_end_id]
-                    delta = self.renderer.encode(text[end + len(self.renderer.turn_end) :])
+                    # A completion cut by max_tokens never sampled the turn end: the template closes
+                    # the turn, so the prompt does too (as a prompt token, not a sampled one).
+                    closing = [] if best.ended_with_turn_end else [self.renderer.turn_end_id]
+                    delta = closing + self.renderer.encode(text[end + len(self.renderer.turn_end) :])
                     return PromptPlan(
-                        prompt_ids=prefix + delta,
+                        prompt_ids=best.ids + delta,
                         prompt_text=text,
                         keys=keys,
                         tools_key=tkey,
                         parent=best,
-                        prefix_len=len(prefix),
+                        prefix_len=len(best.ids),
                         first_new_message=len(best.keys),
                         miss_reason="",
                     )

@@ -97,6 +97,11 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return F.pad(t, pads)
 
 
+def _kv_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers, for editing their `keys`/`values` tensors (only done when all are DynamicLayer)."""
+    return list(cache.layers)
+
+
 def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -110,7 +115,10 @@ def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
 class TransformersEngine:
     """The Engine protocol over a local HF causal-LM directory (CPU or CUDA).
 
-    `max_queue` bounds the requests waiting for a batch slot (not those already decoding).
+    `max_queue` bounds the requests waiting for a batch slot (not those already decoding). A
+    completion keeps the token that ended it: an EOS id (stop_reason None), a stop_token_ids entry
+    (stop_reason that id) or the token that completed a stop string (stop_reason that string).
+    `stats` counts batches, forward steps, rows and tokens, for tests and metrics.
     """
 
     name = "transformers"
@@ -138,7 +146,7 @@ class TransformersEngine:
         self.batch_wait = batch_wait_ms / 1000.0
 
         self.config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         text_config = self.config.get_text_config()
         self._max_context = max_context or int(text_config.max_position_embeddings)
         self.vocab_size = int(text_config.vocab_size)
@@ -160,8 +168,8 @@ class TransformersEngine:
         self._version = 0
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()
-        self._swap: _Swap | None = None
-        self._swap_lock = asyncio.Lock()
+        # Weight swaps waiting for the running batch to drain, applied in order.
+        self._swaps: deque[_Swap] = deque()
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -189,17 +197,19 @@ class TransformersEngine:
     async def start(self) -> None:
         if self._thread is not None:
             return
-        model = await asyncio.to_thread(
-            lambda: AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
-            .to(self.device)
-            .eval()
-        )
+        model = await asyncio.to_thread(self._load_model)
         self._model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        self._mergeable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+        self._mergeable = all(
+            type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers
+        )
         self._closing = False
         self._thread = threading.Thread(target=self._worker, name="transformers-engine", daemon=True)
         self._thread.start()
+
+    def _load_model(self) -> Any:
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        return model.to(self.device).eval()
 
     async def close(self) -> None:
         """Stop the worker; running and queued requests end with finish_reason "abort"."""
@@ -222,7 +232,7 @@ class TransformersEngine:
             raise EngineError("empty prompt")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise EngineError(f"prompt ids must lie in [0, {self.vocab_size})")
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.max_tokens < 1:
+        if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1 or sampling.max_tokens < 1:
             raise EngineError(f"invalid sampling parameters: {sampling}")
         room = self._max_context - len(prompt_ids)
         if room < 1:
@@ -264,14 +274,13 @@ class TransformersEngine:
         self._check_running()
         state = await asyncio.to_thread(self._validated_state, path)
         loop = asyncio.get_running_loop()
-        async with self._swap_lock:
-            swap = _Swap(state=state, loop=loop, future=loop.create_future())
-            with self._cond:
-                if self._closing:
-                    raise EngineUnavailable("transformers engine is closing")
-                self._swap = swap
-                self._cond.notify()
-            return await swap.future
+        swap = _Swap(state=state, loop=loop, future=loop.create_future())
+        with self._cond:
+            if self._closing:
+                raise EngineUnavailable("transformers engine is closing")
+            self._swaps.append(swap)
+            self._cond.notify()
+        return await swap.future
 
     def _validated_state(self, path: str) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors, checked against the model so a swap never half-applies."""
@@ -287,7 +296,9 @@ class TransformersEngine:
             raise EngineError(f"checkpoint {path} lacks tensors: {missing[:5]}")
         for k, t in state.items():
             if t.shape != params[k].shape:
-                raise EngineError(f"checkpoint {path}: {k} has shape {tuple(t.shape)}, want {params[k].shape}")
+                raise EngineError(
+                    f"checkpoint {path}: {k} has shape {tuple(t.shape)}, want {params[k].shape}"
+                )
         return state
 
     # ---- worker thread -------------------------------------------------------------------------
@@ -297,15 +308,15 @@ class TransformersEngine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._pending or batch or self._swap or self._closing):
+                    while not (self._pending or batch or self._swaps or self._closing):
                         self._cond.wait()
+                    if batch is None and self._pending and not self._swaps:
+                        self._wait_for_company()
                     if self._closing:
                         break
-                    if batch is None and self._pending and not self._swap:
-                        self._wait_for_company()
-                    swap = self._swap if batch is None else None
+                    swap = self._swaps.popleft() if batch is None and self._swaps else None
                     admit: list[_Request] = []
-                    if self._swap is None and (batch is None or self._mergeable):
+                    if not self._swaps and swap is None and (batch is None or self._mergeable):
                         free = self.max_batch_size - (len(batch.rows) if batch else 0)
                         while self._pending and len(admit) < free:
                             admit.append(self._pending.popleft())
@@ -334,7 +345,7 @@ class TransformersEngine:
     def _wait_for_company(self) -> None:
         """Hold a fresh batch back briefly so requests arriving together are prefilled together."""
         deadline = time.monotonic() + self.batch_wait
-        while len(self._pending) < self.max_batch_size and not self._closing and not self._swap:
+        while len(self._pending) < self.max_batch_size and not self._closing and not self._swaps:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -344,10 +355,11 @@ class TransformersEngine:
         with self._cond:
             rows = (batch.rows if batch else []) + list(self._pending)
             self._pending.clear()
-            swap, self._swap = self._swap, None
+            swaps = list(self._swaps)
+            self._swaps.clear()
         for row in rows:
             self._finish(row, "abort", None)
-        if swap is not None:
+        for swap in swaps:
             _deliver(swap.loop, swap.future, EngineUnavailable("engine closed before the weights loaded"))
 
     def _apply_swap(self, swap: _Swap) -> None:
@@ -359,8 +371,6 @@ class TransformersEngine:
             result: object = self._version
         except Exception as e:
             result = EngineError(f"loading weights failed: {e!r}")
-        with self._cond:
-            self._swap = None
         _deliver(swap.loop, swap.future, result)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> Any:
@@ -383,7 +393,9 @@ class TransformersEngine:
         self.stats["batches"] += 1
         self.stats["requests"] += len(reqs)
         width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device)
+        ids = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device
+        )
         mask = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs], device=self.device
         )
@@ -392,7 +404,9 @@ class TransformersEngine:
         logits = self._forward(ids, mask, pos, cache)
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         # next_ids is filled in by _sample_step.
-        batch = _Batch(rows=reqs, cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=lengths)
+        batch = _Batch(
+            rows=reqs, cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=lengths
+        )
         return self._sample_step(batch, logits)
 
     def _decode(self, batch: _Batch) -> _Batch | None:
@@ -452,8 +466,8 @@ class TransformersEngine:
         The whole completion is decoded each step because a token can finish a multi-byte character
         that an earlier decode showed as a replacement character.
         """
-        text = self.tokenizer.decode(row.completion_ids, skip_special_tokens=False)
-        hits = [(pos, s) for s in row.sampling.stop if (pos := text.find(s)) >= 0]
+        text: str = self.tokenizer.decode(row.completion_ids, skip_special_tokens=False)
+        hits = [(pos, s) for s in row.sampling.stop if s and (pos := text.find(s)) >= 0]
         return min(hits)[1] if hits else None
 
     def _finish(self, row: _Request, reason: FinishReason, stop_reason: str | int | None) -> None:
@@ -464,7 +478,6 @@ class TransformersEngine:
             finish_reason=reason,
             policy_version=self._version,
             stop_reason=stop_reason,
-            extra={"prompt_tokens": len(row.prompt_ids)},
         )
         _deliver(row.loop, row.future, result)
 
@@ -486,7 +499,7 @@ class TransformersEngine:
                 # Leading columns that are padding in every remaining row would cost every later step.
                 lead = int(batch.mask.any(0).int().argmax())
                 if lead:
-                    for layer in batch.cache.layers:
+                    for layer in _kv_layers(batch.cache):
                         layer.keys = layer.keys[..., lead:, :]
                         layer.values = layer.values[..., lead:, :]
                     batch.mask = batch.mask[:, lead:]
@@ -496,7 +509,7 @@ class TransformersEngine:
         """Stack two batches, left-padding the shorter cache so real tokens stay right-aligned."""
         width = max(a.mask.shape[1], b.mask.shape[1])
         pad_a, pad_b = width - a.mask.shape[1], width - b.mask.shape[1]
-        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+        for la, lb in zip(_kv_layers(a.cache), _kv_layers(b.cache), strict=True):
             la.keys = torch.cat([_pad_left(la.keys, pad_a, -2), _pad_left(lb.keys, pad_b, -2)])
             la.values = torch.cat([_pad_left(la.values, pad_a, -2), _pad_left(lb.values, pad_b, -2)])
         a.rows = a.rows + b.rows

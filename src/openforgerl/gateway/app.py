@@ -101,7 +101,10 @@ class SSEResponse(Response):
         events: Callable[[CallOutcome], Iterable[bytes]],
         on_error: Callable[[GatewayError], bytes],
     ) -> None:
-        super().__init__(headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        # Like Starlette's StreamingResponse: no body attribute, so no content-length header.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
         self.first, self.work, self.events, self.on_error = first, work, events, on_error
         self.release = release
 

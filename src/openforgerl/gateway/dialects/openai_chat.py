@@ -233,7 +233,9 @@ def stream_chunks(
             "created": created,
             "model": req.model,
             "system_fingerprint": f"policy-v{out.policy_version}",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}],
+            "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
+            ],
         }
         return b"data: " + orjson.dumps(body) + b"\n\n"
 

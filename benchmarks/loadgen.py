@@ -1,0 +1,201 @@
+"""The load generator of the gateway-overhead benchmark: its own process, asyncio + aiohttp on uvloop.
+
+Runs in .venv-bench (aiohttp comes with LiteLLM there). The driver (gateway_overhead.py) talks to
+it over stdin/stdout, one JSON object a line: a phase to run in, the phase's samples out. It only
+ever connects to the URLs it is given (loopback addresses).
+
+A phase: `concurrency` streaming clients, each in a loop that is bounded in count and in time.
+
+- shape "small": each client sends the small body `per_client` times.
+- shape "harness": the clients take conversations off a shared counter until `conversations` are
+  done; a conversation is turns 1..`turns` sent one after another (the next turn only after the
+  answer to the previous), on the gateway in a rollout of its own.
+
+Latency is measured from just before the request is written to the end of the response body
+(the SSE stream's `[DONE]`); time to first byte is the first body chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+
+from workload import FAKE_MODEL, GATEWAY_MODEL, LITELLM_MODEL, bodies
+
+MODELS = {"direct": FAKE_MODEL, "gateway": GATEWAY_MODEL, "litellm": LITELLM_MODEL}
+
+
+class Phase:
+    def __init__(self, session: aiohttp.ClientSession, spec: dict[str, Any], payloads: list[bytes]) -> None:
+        self.session = session
+        self.spec = spec
+        self.payloads = payloads
+        self.deadline = 0.0
+        # One sample per request: (turn, latency ms, ttfb ms, ok, end time since the phase start).
+        self.samples: list[tuple[int, float, float, bool, float]] = []
+        self.errors: dict[str, int] = {}
+        self.t0 = 0.0
+        self.prepared = 0
+        self.ready = asyncio.Event()
+
+    async def create_rollout(self) -> tuple[str, str]:
+        """(chat completions URL, api key) of a new gateway rollout."""
+        async with self.session.post(
+            self.spec["admin_url"] + "/admin/rollouts",
+            data=b'{"run_id": "bench"}',
+            headers={
+                "authorization": f"Bearer {self.spec['admin_token']}",
+                "content-type": "application/json",
+            },
+        ) as r:
+            data = orjson.loads(await r.read())
+            if r.status != 201:
+                raise RuntimeError(f"creating a rollout failed: HTTP {r.status} {data}")
+        return data["base_url"] + "/v1/chat/completions", data["api_key"]
+
+    async def endpoint(self) -> tuple[str, str]:
+        if self.spec["path"] == "gateway":
+            return await self.create_rollout()
+        return self.spec["url"], self.spec["api_key"]
+
+    async def call(self, url: str, key: str, body: bytes, turn: int) -> None:
+        headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+        start = time.perf_counter()
+        ttfb = 0.0
+        ok = False
+        try:
+            async with self.session.post(url, data=body, headers=headers) as r:
+                buf = bytearray()
+                async for chunk in r.content.iter_any():
+                    if not buf:
+                        ttfb = time.perf_counter() - start
+                    buf += chunk
+                end = time.perf_counter()
+                tail = bytes(buf[-2000:])
+                if r.status != 200:
+                    self._error(f"HTTP {r.status}: {bytes(buf[:200])!r}")
+                elif not tail.endswith(b"data: [DONE]\n\n") or b'"usage"' not in tail:
+                    self._error(f"incomplete stream: {tail[-200:]!r}")
+                elif b'"error"' in buf:
+                    self._error(f"error event: {bytes(buf[-300:])!r}")
+                else:
+                    ok = True
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            end = time.perf_counter()
+            self._error(f"{type(exc).__name__}: {exc}")
+        self.samples.append((turn, (end - start) * 1000, ttfb * 1000, ok, end - self.t0))
+
+    def _error(self, what: str) -> None:
+        key = what[:160]
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    async def small_client(self) -> None:
+        url, key = await self.endpoint()
+        self.prepared += 1
+        await self.ready.wait()
+        for _ in range(self.spec["per_client"]):
+            if time.perf_counter() > self.deadline:
+                return
+            await self.call(url, key, self.payloads[0], 0)
+
+    async def harness_client(self, counter: list[int]) -> None:
+        turns = self.spec["turns"]
+        # The first conversation's rollout is made before the clock starts; later ones on the way.
+        first: tuple[str, str] | None = await self.endpoint()
+        self.prepared += 1
+        await self.ready.wait()
+        while counter[0] < self.spec["conversations"] and time.perf_counter() < self.deadline:
+            counter[0] += 1
+            url, key = first or await self.endpoint()
+            first = None
+            for turn in range(1, turns + 1):
+                if time.perf_counter() > self.deadline:
+                    return
+                await self.call(url, key, self.payloads[turn - 1], turn)
+
+    async def run(self) -> dict[str, Any]:
+        n = self.spec["concurrency"]
+        if self.spec.get("warmup", True):
+            await self.warmup(n)
+        self.prepared = 0
+        if self.spec["shape"] == "small":
+            tasks = [asyncio.ensure_future(self.small_client()) for _ in range(n)]
+        else:
+            counter = [0]
+            tasks = [asyncio.ensure_future(self.harness_client(counter)) for _ in range(n)]
+        # Gateway rollouts are created before the clock starts: only the model calls are timed.
+        setup_deadline = time.perf_counter() + 120
+        while self.prepared < n and time.perf_counter() < setup_deadline:
+            if any(t.done() for t in tasks):
+                for t in tasks:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+            await asyncio.sleep(0.01)
+        cpu0, self.t0 = time.process_time(), time.perf_counter()
+        self.deadline = self.t0 + self.spec["duration_s"]
+        self.ready.set()
+        await asyncio.wait(tasks, timeout=self.spec["duration_s"] + 60)
+        for t in tasks:
+            t.cancel()
+        wall = time.perf_counter() - self.t0
+        cpu = time.process_time() - cpu0
+        ends = [s[4] for s in self.samples]
+        return {
+            "samples": self.samples,
+            "errors": self.errors,
+            "wall_s": wall,
+            "active_s": max(ends) if ends else wall,
+            "client_cpu_s": cpu,
+            "timed_out": time.perf_counter() > self.deadline,
+        }
+
+    async def warmup(self, n: int) -> None:
+        """Open the connections this phase will use (n concurrent small calls, not timed)."""
+        url, key = await self.endpoint()
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + 60
+        saved = self.samples
+        small = bodies(MODELS[self.spec["path"]], turns=1)["small"][0]
+        await asyncio.gather(*(self.call(url, key, small, 0) for _ in range(n)))
+        self.samples = saved
+        self.errors = {}
+
+
+async def main() -> None:
+    import uvloop  # noqa: F401  (installed with LiteLLM's proxy extra)
+
+    payloads = {path: bodies(model) for path, model in MODELS.items()}
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=300, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=300, sock_connect=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        print(orjson.dumps({"ready": True}).decode(), flush=True)
+        while line := await reader.readline():
+            spec = orjson.loads(line)
+            if spec.get("cmd") == "quit":
+                break
+            shape = spec["shape"]
+            turns = spec.get("turns", 30)
+            body_list = payloads[spec["path"]][shape]
+            spec.setdefault("turns", turns)
+            spec.setdefault("per_client", 1_000_000)
+            spec.setdefault("conversations", spec["concurrency"])
+            try:
+                result = await Phase(session, spec, body_list[:turns]).run()
+            except Exception as exc:
+                result = {"fatal": f"{type(exc).__name__}: {exc}"}
+            sys.stdout.write(orjson.dumps(result).decode() + "\n")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    uvloop.run(main())
