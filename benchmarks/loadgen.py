@@ -159,10 +159,9 @@ class Phase:
         url, key = await self.endpoint()
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + 60
-        saved = self.samples
         small = bodies(MODELS[self.spec["path"]], turns=1)["small"][0]
         await asyncio.gather(*(self.call(url, key, small, 0) for _ in range(n)))
-        self.samples = saved
+        self.samples = []
         self.errors = {}
 
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
 
-    print(f"[1/4] making a tiny {args.size} model in {work / 'model'} (BPE tokenizer, chat template, Qwen2)")
+    print(f"[1/4] making a {args.size} model in {work / 'model'} (BPE tokenizer, chat template, Qwen2)")
     model_dir = init_model(work / "model", size=args.size, seed=0)
 
     port = free_port()
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                 stream = client.chat.completions.create(
                     model="claude-sonnet",
                     messages=messages,
+                    tools=TOOLS,
                     stream=True,
                     stream_options={"include_usage": True},
                 )
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print("[4/4] what the gateway recorded (token level)")
         calls = admin.get(f"/admin/rollouts/{rollout['rollout_id']}/calls").json()["calls"]
-        print("      call branch model          prompt reused completion version finish")
+        print("      call branch model          prompt reused completion version finish  branch reason")
         previous: list[int] = []
         extends = 0
         for c in calls:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"      {c['seq']:>4} {c['branch_id']:>6} {c['model']:<14} {len(c['prompt_ids']):>6} "
                 f"{c['reused_prompt_tokens']:>6} {len(c['completion_ids']):>10} {c['policy_version']:>7} "
-                f"{c['finish_reason']}"
+                f"{c['finish_reason']:<7} {c['branch_reason'] or '(extends the previous call)'}"
             )
         print(
             f"      {extends} of {len(calls) - 1} follow-up calls extend the previous call's exact ids "

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import math
-import secrets
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import orjson
@@ -15,148 +12,36 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
 
+from openforgerl.conversation import Conversation
 from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Session
-from openforgerl.gateway.dialects import openai_chat
+from openforgerl.gateway.dialects import Dialect, default_dialects
 from openforgerl.gateway.errors import GatewayError, bad_request, unauthorized
-
-KEEPALIVE_S = 10.0  # SSE comment while the engine works, so idle-timeouts in clients don't fire
-
-
-class JSONResponse(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return content if isinstance(content, bytes) else orjson.dumps(content)
-
-
-def api_key_of(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip() or None
-    return (
-        request.headers.get("x-api-key")
-        or request.headers.get("x-goog-api-key")
-        or request.query_params.get("key")
-        or None
-    )
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    too_large = GatewayError(
-        413, f"The request body exceeds the gateway's limit of {limit} bytes.", kind="too_large"
-    )
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def until_disconnect(receive: Receive) -> None:
-    """Returns when the client disconnects (the body has already been read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def race_disconnect(receive: Receive, work: Awaitable[CallOutcome]) -> CallOutcome | None:
-    """Run `work`; cancel it (which aborts the generation) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    return task.result()
-
-
-class SSEResponse(Response):
-    """Streams one finished call as SSE: headers and the first event go out at once, keep-alive
-    comments while the engine works, a disconnect aborts the generation."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        first: bytes,
-        work: Callable[[], Awaitable[CallOutcome]],
-        release: Callable[[], None],
-        events: Callable[[CallOutcome], Iterable[bytes]],
-        on_error: Callable[[GatewayError], bytes],
-    ) -> None:
-        # Like Starlette's StreamingResponse: no body attribute, so no content-length header.
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.first, self.work, self.events, self.on_error = first, work, events, on_error
-        self.release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self._stream(receive, send)
-        finally:
-            self.release()
-
-    async def _stream(self, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": self.first, "more_body": True})
-        task = asyncio.ensure_future(self.work())
-        watcher = asyncio.ensure_future(until_disconnect(receive))
-        try:
-            while not task.done():
-                done, _ = await asyncio.wait(
-                    {task, watcher}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
-                )
-                if watcher in done:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, GatewayError):
-                        await task
-                    return
-                if not done:
-                    await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-        try:
-            outcome = task.result()
-        except GatewayError as err:
-            body = self.on_error(err)
-        else:
-            body = b"".join(self.events(outcome))
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
 
 
 class Gateway:
     """Builds the Starlette app around a GatewayCore."""
 
     def __init__(
-        self, core: GatewayCore, *, admin_token: str, public_url: str, max_body: int = 32 << 20
+        self,
+        core: GatewayCore,
+        *,
+        admin_token: str,
+        public_url: str,
+        max_body: int = 32 << 20,
+        dialects: Sequence[Dialect] | None = None,
     ) -> None:
         self.core = core
+        # The first dialect also answers errors on paths no dialect owns.
+        self.dialects: list[Dialect] = list(dialects) if dialects is not None else default_dialects()
         self.admin_token = admin_token
         self.public_url = public_url.rstrip("/")
         self.max_body = max_body
 
     # -- helpers --------------------------------------------------------------------------
-    async def _session(self, request: Request) -> Session:
+    async def session(self, request: Request) -> Session:
         key = api_key_of(request)
         if key is None:
             raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
@@ -177,56 +62,45 @@ class Gateway:
         if not hmac.compare_digest(key.encode(), self.admin_token.encode()):
             raise unauthorized("This endpoint needs the gateway's admin token.")
 
-    # -- OpenAI Chat Completions ---------------------------------------------------------
-    async def chat_completions(self, request: Request) -> Response:
+    # -- what every dialect's handlers use ------------------------------------------------
+    async def open_call(self, request: Request, parse: Callable[[bytes], Conversation]) -> PreparedCall:
+        """Authenticate, read and translate the body, and prepare the call (raises GatewayError)."""
+        session = await self.session(request)
+        body = await read_body(request, self.max_body)
+        return self.core.prepare(session, parse(body))
+
+    async def finish_call(self, request: Request, prepared: PreparedCall) -> CallOutcome | None:
+        """Run a prepared call to its durable record; None when the client went away meanwhile."""
         try:
-            session = await self._session(request)
-            body = await read_body(request, self.max_body)
-            conv, req = openai_chat.parse_request(body)
-            prepared: PreparedCall = self.core.prepare(session, conv)
-        except GatewayError as err:
-            return self._openai_error(err)
-        decode = self.core.renderer.decode
-        if req.stream:
-            chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
-            return SSEResponse(
-                openai_chat.role_chunk(chunk_id, req.model),
-                lambda: self.core.run(prepared),
-                lambda: self.core.release(prepared),
-                lambda out: openai_chat.stream_chunks(out, req, chunk_id, decode),
-                openai_chat.stream_error,
-            )
-        try:
-            outcome = await race_disconnect(request.receive, self.core.run(prepared))
-        except GatewayError as err:
-            return self._openai_error(err)
+            return await race_disconnect(request.receive, self.core.run(prepared))
         finally:
             self.core.release(prepared)
-        if outcome is None:  # the client is gone; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(openai_chat.response_body(outcome, req, decode))
 
-    async def models(self, request: Request) -> Response:
-        try:
-            await self._session(request)
-        except GatewayError as err:
-            return self._openai_error(err)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {"id": "policy", "object": "model", "created": 0, "owned_by": "openforgerl"},
-                ],
-            }
+    def stream_call(
+        self,
+        prepared: PreparedCall,
+        first: bytes,
+        events: Callable[[CallOutcome], Iterable[bytes]],
+        on_error: Callable[[GatewayError], bytes],
+    ) -> SSEResponse:
+        """An SSE answer: `first` at once, keep-alives while generating, then `events(outcome)`."""
+        return SSEResponse(
+            first, lambda: self.core.run(prepared), lambda: self.core.release(prepared), events, on_error
         )
 
-    def _openai_error(self, err: GatewayError) -> Response:
-        return JSONResponse(openai_chat.error_body(err), status_code=err.status, headers=err.headers())
+    def dialect_for(self, path: str) -> Dialect:
+        for dialect in self.dialects:
+            if dialect.owns_path(path):
+                return dialect
+        return self.dialects[0]
 
-    async def openai_not_found(self, request: Request) -> Response:
-        return self._openai_error(
-            GatewayError(404, f"Unknown endpoint {request.method} {request.url.path}.", kind="not_found")
-        )
+    def error(self, err: GatewayError, request: Request) -> Response:
+        """An error in the dialect of the path it answers."""
+        return self.dialect_for(request.url.path).error_response(err)
+
+    async def not_found(self, request: Request) -> Response:
+        message = f"Unknown endpoint {request.method} {request.url.path}."
+        return self.error(GatewayError(404, message, kind="not_found"), request)
 
     # -- admin API ------------------------------------------------------------------------
     async def admin(self, request: Request) -> Response:
@@ -236,7 +110,7 @@ class Gateway:
             handler = getattr(self, "admin_" + request.scope["route_name"])
             return await handler(request)
         except GatewayError as err:
-            return self._openai_error(err)
+            return self.error(err, request)
 
     async def _json_body(self, request: Request) -> dict[str, Any]:
         body = await read_body(request, self.max_body)
@@ -392,7 +266,7 @@ class Gateway:
 
             return Route(path, endpoint, methods=methods, name=name)
 
-        routes = [
+        routes: list[BaseRoute] = [
             Route("/health", self.health, methods=["GET", "HEAD"]),
             admin("/admin/rollouts", "create_rollout", ["POST"]),
             admin("/admin/rollouts", "list_rollouts", ["GET"]),
@@ -403,16 +277,12 @@ class Gateway:
             admin("/admin/weights", "weights", ["POST"]),
             admin("/admin/stats", "stats", ["GET"]),
         ]
+        for dialect in self.dialects:
+            for prefix in ("", "/r/{rollout_id}"):
+                routes += dialect.routes(self, prefix)
         for prefix in ("", "/r/{rollout_id}"):
-            routes += [
-                Route(prefix + "/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route(prefix + "/v1/models", self.models, methods=["GET"]),
-                Route(
-                    prefix + "/v1/{rest:path}",
-                    self.openai_not_found,
-                    methods=["GET", "POST", "PUT", "DELETE"],
-                ),
-            ]
+            methods = ["GET", "POST", "PUT", "DELETE", "HEAD"]
+            routes.append(Route(prefix + "/{rest:path}", self.not_found, methods=methods))
         return Starlette(
             routes=routes,
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
@@ -421,10 +291,9 @@ class Gateway:
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind: Any = {404: "not_found", 405: "invalid_request"}.get(exc.status_code, "invalid_request")
-        return self._openai_error(
-            GatewayError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", kind=kind)
-        )
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return self.error(GatewayError(exc.status_code, message, kind=kind), request)
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        # A bug must not take the gateway down: answer 500 in the OpenAI shape and go on.
-        return self._openai_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))
+        # A bug must not take the gateway down: answer 500 in the caller's dialect and go on.
+        return self.error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"), request)

@@ -5,14 +5,21 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.http import JSONResponse
+
+if TYPE_CHECKING:
+    from openforgerl.gateway.app import Gateway
 
 NAME = "openai"
 
@@ -110,6 +117,7 @@ def _arguments(raw: str | dict[str, Any]) -> dict[str, Any] | str:
 
 
 def parse_request(body: bytes) -> tuple[Conversation, ChatCompletionRequest]:
+    """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
     try:
         req = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -294,3 +302,59 @@ def error_body(err: GatewayError) -> bytes:
 def stream_error(err: GatewayError) -> bytes:
     """An error after the stream began: an SSE event the OpenAI SDK raises as an APIError."""
     return b"data: " + error_body(err) + b"\n\n"
+
+
+class OpenAIChat:
+    """`POST /v1/chat/completions` and `GET /v1/models`."""
+
+    name = NAME
+
+    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
+        async def chat_completions(request: Request) -> Response:
+            parsed: list[ChatCompletionRequest] = []
+
+            def parse(body: bytes) -> Conversation:
+                conv, req = parse_request(body)
+                parsed.append(req)
+                return conv
+
+            try:
+                prepared = await gateway.open_call(request, parse)
+            except GatewayError as err:
+                return self.error_response(err)
+            req = parsed[0]
+            decode = gateway.core.renderer.decode
+            if req.stream:
+                chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
+                return gateway.stream_call(
+                    prepared,
+                    role_chunk(chunk_id, req.model),
+                    lambda out: stream_chunks(out, req, chunk_id, decode),
+                    stream_error,
+                )
+            try:
+                outcome = await gateway.finish_call(request, prepared)
+            except GatewayError as err:
+                return self.error_response(err)
+            if outcome is None:  # the client is gone; nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(response_body(outcome, req, decode))
+
+        async def models(request: Request) -> Response:
+            try:
+                await gateway.session(request)
+            except GatewayError as err:
+                return self.error_response(err)
+            model = {"id": "policy", "object": "model", "created": 0, "owned_by": "openforgerl"}
+            return JSONResponse({"object": "list", "data": [model]})
+
+        return [
+            Route(prefix + "/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route(prefix + "/v1/models", models, methods=["GET"]),
+        ]
+
+    def owns_path(self, path: str) -> bool:
+        return True  # the fallback dialect: anything no other dialect claims
+
+    def error_response(self, err: GatewayError) -> Response:
+        return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())
