@@ -213,6 +213,10 @@ class GatewayCore:
             call.released = True
             self.inflight -= 1
 
+    def count_tokens(self, session: Session, conv: Conversation) -> int:
+        """The prompt length this conversation would have (token memory included), without a call."""
+        return len(session.memory.plan(conv.messages, conv.tools).prompt_ids)
+
     async def complete(self, session: Session, conv: Conversation) -> CallOutcome:
         return await self.run(self.prepare(session, conv))
 
