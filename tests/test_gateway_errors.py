@@ -175,3 +175,20 @@ def test_unknown_routes_and_admin_validation(gw: Any) -> None:
     assert_openai_error(httpx.post(close, json={"reward": "high"}, headers=h), 400)
     assert_openai_error(httpx.post(close, json={"status": "exploded"}, headers=h), 400)
     assert_openai_error(httpx.post(gw.url + "/admin/rollouts", json={}), 401)
+
+
+def test_injected_faults_are_answered_once_each(gw: Any) -> None:
+    ro = new_rollout(gw)
+    faults = f"{gw.url}/admin/rollouts/{ro['rollout_id']}/faults"
+    assert_openai_error(httpx.post(faults, json={"errors": [418]}, headers=gw.admin_headers), 400)
+    assert httpx.post(faults, json={"errors": [429, 500]}, headers=gw.admin_headers).status_code == 200
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    r = chat(gw, ro, body)
+    assert_openai_error(r, 429)
+    assert r.headers["retry-after"] == "1"
+    assert_openai_error(chat(gw, ro, body), 500)
+    assert chat(gw, ro, body).status_code == 200
+    # The OpenAI SDK's own retry loop gets through an injected 429.
+    httpx.post(faults, json={"errors": [429]}, headers=gw.admin_headers)
+    client = OpenAI(base_url=ro["base_url"] + "/v1", api_key=ro["api_key"], max_retries=2)
+    assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]).choices

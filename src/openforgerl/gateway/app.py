@@ -251,6 +251,15 @@ class Gateway:
         version = await self.core.load_weights(path)
         return JSONResponse({"policy_version": version})
 
+    async def admin_faults(self, request: Request) -> Response:
+        """Queue errors (e.g. [429, 500]) that the rollout's next calls are answered with."""
+        session = await self._rollout_or_404(request)
+        errors = (await self._json_body(request)).get("errors")
+        if not isinstance(errors, list) or not all(e in (429, 500, 503, 529) for e in errors):
+            raise bad_request("'errors' must be a list of statuses among 429, 500, 503, 529.", param="errors")
+        session.faults.extend(errors)
+        return JSONResponse({"rollout_id": session.rollout.id, "pending_faults": session.faults})
+
     async def admin_stats(self, request: Request) -> Response:
         return JSONResponse(self.core.stats())
 
@@ -274,6 +283,7 @@ class Gateway:
             admin("/admin/rollouts/{rollout_id}/calls", "calls", ["GET"]),
             admin("/admin/rollouts/{rollout_id}/close", "close_rollout", ["POST"]),
             admin("/admin/rollouts/{rollout_id}/reward", "reward", ["POST"]),
+            admin("/admin/rollouts/{rollout_id}/faults", "faults", ["POST"]),
             admin("/admin/weights", "weights", ["POST"]),
             admin("/admin/stats", "stats", ["GET"]),
         ]

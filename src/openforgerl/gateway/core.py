@@ -23,10 +23,20 @@ from openforgerl.engines.base import (
     SamplingParams,
 )
 from openforgerl.engines.parsers import parse_completion
-from openforgerl.gateway.errors import GatewayError, bad_request, context_length_exceeded
+from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request, context_length_exceeded
 from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import CallRow, RolloutRow, Store
+
+
+def injected_fault(status: int) -> GatewayError:
+    kinds: dict[int, ErrorKind] = {429: "rate_limit", 500: "internal", 503: "unavailable", 529: "unavailable"}
+    return GatewayError(
+        status,
+        f"Injected fault {status} (requested through the admin API).",
+        kind=kinds.get(status, "internal"),
+        retry_after=1 if status in (429, 503, 529) else None,
+    )
 
 
 def hash_key(api_key: str) -> str:
@@ -41,6 +51,8 @@ class Session:
     memory: TokenMemory
     policy: SamplingPolicy
     next_seq: int = 0
+    # Errors to answer the next calls with, for testing a harness's retry logic (admin API).
+    faults: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -184,6 +196,8 @@ class GatewayCore:
             raise GatewayError(
                 403, f"rollout {session.rollout.id} is {session.rollout.status}", kind="permission"
             )
+        if session.faults:
+            raise injected_fault(session.faults.pop(0))
         if self.inflight >= self.max_inflight:
             self.counters["rejected"] += 1
             raise GatewayError(
