@@ -274,3 +274,33 @@ def test_weights_update_bumps_policy_version_in_records(tiny_model_dir: Path, tm
         assert r.json() == {"policy_version": 1}
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}])
         assert [c["policy_version"] for c in calls_of(gw, rollout["rollout_id"])] == [0, 1]
+
+
+def test_side_requests_are_flagged(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
+        rollout = new_rollout(gw)
+        client = client_for(rollout)
+        # A title request first (as opencode sends), then the conversation, then a JSON router request.
+        client.chat.completions.create(
+            model="small",
+            messages=[
+                {"role": "system", "content": "You are a title generator."},
+                {"role": "user", "content": "fix the bug"},
+            ],
+        )
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "fix the bug"}], tools=TOOLS
+        )
+        client.chat.completions.create(
+            model="router",
+            messages=[{"role": "user", "content": "rate complexity"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "r", "schema": {"type": "object"}},
+            },
+        )
+        calls = calls_of(gw, rollout["rollout_id"])
+    assert "no tools" in calls[0]["side_request"]
+    assert calls[1]["side_request"] == ""
+    assert "structured output" in calls[2]["side_request"]
+    assert calls[2]["sampling_requested"]["response_format"]["type"] == "json_schema"

@@ -21,6 +21,19 @@ from openforgerl.gateway.errors import GatewayError, bad_request, unauthorized
 from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
 
 
+def side_request_reason(requested: dict[str, Any], rollout_uses_tools: bool) -> str:
+    """Why a call looks like a side request (title, router, memory extraction), '' if it does not.
+
+    Harnesses send these through the same endpoint and key; training may include or skip them.
+    """
+    reasons = []
+    if requested.get("response_format"):
+        reasons.append("asks for structured output")
+    if rollout_uses_tools and not requested.get("tools"):
+        reasons.append("no tools while the rollout's conversation has them")
+    return "; ".join(reasons)
+
+
 class Gateway:
     """Builds the Starlette app around a GatewayCore."""
 
@@ -179,6 +192,7 @@ class Gateway:
             raise GatewayError(404, f"No rollout {rollout_id}.", kind="not_found")
         calls = await self.core.store.calls(rollout_id)
         prompts = self.core.store.full_prompts(calls)
+        any_tools = any(c.sampling_requested.get("tools") for c in calls)
         out = []
         for c in calls:
             assert c.id is not None
@@ -194,6 +208,7 @@ class Gateway:
                     "branch_id": c.branch_id,
                     "parent_call_id": c.parent_call_id,
                     "branch_reason": c.branch_reason,
+                    "side_request": side_request_reason(c.sampling_requested, any_tools),
                     "policy_version": c.policy_version,
                     "prompt_ids": prompts[c.id],
                     "reused_prompt_tokens": c.prompt_prefix_len,

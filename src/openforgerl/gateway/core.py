@@ -266,7 +266,12 @@ class GatewayCore:
                 completion_logprobs=result.logprobs if result else [],
                 finish_reason=result.finish_reason if result else ("abort" if status == "aborted" else None),
                 stop_reason=None if result is None or result.stop_reason is None else str(result.stop_reason),
-                sampling_requested=asdict(conv.sampling),
+                sampling_requested={
+                    **asdict(conv.sampling),
+                    "tools": len(conv.tools),
+                    "tool_choice": conv.tool_choice,
+                    "response_format": conv.response_format,
+                },
                 sampling_used=call.used,
                 messages_delta=[m.template_dict() for m in conv.messages[plan.first_new_message :]],
                 response=message.template_dict() if message else {},
