@@ -1,0 +1,212 @@
+"""The built-in ReAct harness: a plain tool-calling loop on the official `openai` client.
+
+It needs nothing but Python, so it is the default harness where no node is installed. It runs
+inside the rollout's sandbox, in the task's work directory, and talks to the gateway like any
+other harness: Chat Completions at `base_url + "/v1"` with the rollout's key.
+
+    python -m openforgerl.react_agent --base-url URL --api-key KEY --task "..." [--max-turns 16]
+
+It prints one JSON line at the end: turns taken, why it stopped, the submitted answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "You are an agent working in a workspace directory. Use the tools to inspect and change files. "
+    "Call one tool at a time. When the task is done, call submit with a short answer."
+)
+OUTPUT_LIMIT = 8000  # characters of tool output shown to the model; the rest is elided
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command in the workspace and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file of the workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Write a text file in the workspace (created or replaced).",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "submit",
+            "description": "Finish the task with a short final answer.",
+            "parameters": {
+                "type": "object",
+                "properties": {"answer": {"type": "string"}},
+                "required": ["answer"],
+            },
+        },
+    },
+]
+
+
+@dataclass
+class Outcome:
+    turns: int = 0
+    stopped: str = ""  # submitted | no_tool_call | max_turns | api_error
+    answer: str | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _clip(text: str) -> str:
+    if len(text) <= OUTPUT_LIMIT:
+        return text
+    half = OUTPUT_LIMIT // 2
+    return f"{text[:half]}\n[... {len(text) - OUTPUT_LIMIT} characters elided ...]\n{text[-half:]}"
+
+
+def _inside(workdir: Path, path: str) -> Path:
+    target = (workdir / path).resolve()
+    if not target.is_relative_to(workdir.resolve()):
+        raise ValueError(f"path {path!r} is outside the workspace")
+    return target
+
+
+def run_tool(name: str, args: dict[str, Any], workdir: Path, timeout: float) -> str:
+    """Execute one tool call; failures come back as text for the model, never as a crash."""
+    if name == "bash":
+        try:
+            proc = subprocess.run(
+                ["bash", "-c", str(args["command"])],
+                cwd=workdir,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                errors="replace",
+            )
+        except subprocess.TimeoutExpired:
+            return f"error: the command timed out after {timeout:.0f} s"
+        return _clip(f"exit code {proc.returncode}\n{proc.stdout}{proc.stderr}")
+    if name == "read_file":
+        return _clip(_inside(workdir, str(args["path"])).read_text(errors="replace"))
+    if name == "write_file":
+        target = _inside(workdir, str(args["path"]))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(str(args["content"]))
+        return f"wrote {len(str(args['content']))} characters to {args['path']}"
+    raise ValueError(f"unknown tool {name!r}; the tools are bash, read_file, write_file, submit")
+
+
+def run(
+    base_url: str,
+    api_key: str,
+    task: str,
+    *,
+    model: str = "policy",
+    max_turns: int = 16,
+    max_tokens: int | None = None,
+    workdir: Path = Path("."),
+    tool_timeout: float = 60.0,
+) -> Outcome:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=4, timeout=600)
+    messages: list[Any] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
+    out = Outcome()
+    while out.turns < max_turns:
+        out.turns += 1
+        try:
+            reply = client.chat.completions.create(
+                model=model,
+                messages=messages,
+                tools=TOOLS,
+                **({"max_tokens": max_tokens} if max_tokens else {}),
+            )
+        except openai.APIError as exc:
+            out.stopped = "api_error"
+            out.errors.append(f"{type(exc).__name__}: {exc}")
+            return out
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True, exclude={"reasoning_content"}))
+        if not msg.tool_calls:
+            out.stopped = "no_tool_call"
+            out.answer = msg.content
+            return out
+        for call in msg.tool_calls:
+            fn = getattr(call, "function", None)
+            if fn is None:
+                continue
+            out.tool_calls += 1
+            try:
+                args = json.loads(fn.arguments or "{}")
+                if not isinstance(args, dict):
+                    raise ValueError("arguments must be a JSON object")
+                if fn.name == "submit":
+                    out.stopped, out.answer = "submitted", str(args.get("answer", ""))
+                    return out
+                result = run_tool(fn.name, args, workdir, tool_timeout)
+            except (ValueError, KeyError, OSError) as exc:
+                out.tool_errors += 1
+                result = f"error: {exc}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    out.stopped = "max_turns"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", required=True, help="the rollout's base URL (without /v1)")
+    ap.add_argument("--api-key", required=True)
+    ap.add_argument("--task", required=True, help="the instruction, or @FILE to read it from a file")
+    ap.add_argument("--model", default="policy")
+    ap.add_argument("--max-turns", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--workdir", default=".")
+    ap.add_argument("--tool-timeout", type=float, default=60.0)
+    a = ap.parse_args(argv)
+    task = Path(a.task[1:]).read_text() if a.task.startswith("@") else a.task
+    out = run(
+        a.base_url,
+        a.api_key,
+        task,
+        model=a.model,
+        max_turns=a.max_turns,
+        max_tokens=a.max_tokens,
+        workdir=Path(a.workdir),
+        tool_timeout=a.tool_timeout,
+    )
+    print(json.dumps(asdict(out)), flush=True)
+    return 0 if out.stopped != "api_error" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
