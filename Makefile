@@ -53,3 +53,24 @@ $(VLLM_STAMP):
 ## Engine tests against a real vLLM server on CPU (the fixture starts and stops the server).
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -m vllm tests/test_vllm_engine.py
+
+## Gateway overhead vs LiteLLM, against a zero-latency fake engine (benchmarks/gateway_overhead.py).
+## LiteLLM gets its own venv so its dependencies never touch the main one. About 15 min on 2 cores;
+## `make bench BENCH_ARGS=--quick` (or `make bench-quick`) is a 2-minute smoke run.
+BENCH_VENV := .venv-bench
+LITELLM_VERSION := 1.106.12
+BENCH_STAMP := $(BENCH_VENV)/.installed-litellm-$(LITELLM_VERSION)
+BENCH_ARGS ?=
+
+$(BENCH_STAMP):
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q -U pip
+	$(BENCH_VENV)/bin/pip install -q 'litellm[proxy]==$(LITELLM_VERSION)' py-spy==0.4.1
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python benchmarks/gateway_overhead.py $(BENCH_ARGS)
+
+.PHONY: bench-quick
+bench-quick:
+	$(MAKE) bench BENCH_ARGS=--quick

@@ -62,50 +62,62 @@ GOAL_RATIO = 1 / 3  # the product owner's goal: gateway added latency <= 1/3 of 
 # -- the plan -----------------------------------------------------------------------------------
 @dataclass
 class Point:
-    shape: str  # "small" | "harness"
+    """One load point. Shapes: small; harness (whole conversations, turn 1 to the last, one rollout
+    each); harness_mid (`per_client` consecutive turns from the middle of conversations whose
+    history the gateway got in one untimed call: the steady state of many long rollouts, at a
+    cost the slowest path can pay at 512 clients)."""
+
+    shape: str
     load: int  # concurrent clients
     rounds: int
     duration_s: float  # time cap of one phase (one path, one round)
-    per_client: int = 1_000_000  # small: calls per client per phase
-    conversations: int = 0  # harness: 30-turn conversations per phase (0 = one per client)
+    per_client: int = 1_000_000  # small: calls per client; harness_mid: turns per client
+    conversations: int = 0  # harness: conversations per phase (0 = one per client)
+
+    def expected_calls(self, turns: int) -> int | None:
+        """Calls a phase makes when its count bound, not its time cap, ends it (None: time-bound)."""
+        if self.shape == "harness":
+            return (self.conversations or self.load) * turns
+        if self.per_client < 1_000_000:
+            return self.load * self.per_client
+        return None
 
 
 @dataclass
 class Plan:
     points: list[Point]
     turns: int = workload.HARNESS_TURNS
-    memory_rollouts: int = 1000
-    memory_concurrency: int = 32
-    memory_duration_s: float = 240.0
-    warmup_s: float = 3.0
+    memory_rollouts: int = 400
+    memory_concurrency: int = 64
+    memory_duration_s: float = 300.0
 
 
 def full_plan() -> Plan:
     return Plan(
         points=[
-            Point("small", 1, rounds=3, duration_s=3.0, per_client=400),
-            Point("small", 64, rounds=3, duration_s=4.0, per_client=100),
-            Point("small", 512, rounds=3, duration_s=6.0, per_client=12),
-            Point("harness", 1, rounds=3, duration_s=20.0, conversations=3),
-            Point("harness", 64, rounds=3, duration_s=40.0),
-            Point("harness", 512, rounds=1, duration_s=150.0),
+            Point("small", 1, rounds=3, duration_s=3.0),
+            Point("small", 64, rounds=3, duration_s=4.0),
+            Point("small", 512, rounds=2, duration_s=120.0, per_client=2),
+            Point("harness", 1, rounds=3, duration_s=60.0, conversations=2),
+            Point("harness", 64, rounds=2, duration_s=150.0),
+            Point("harness_mid", 512, rounds=1, duration_s=150.0, per_client=2),
         ],
-        memory_rollouts=1000,
+        memory_rollouts=400,
     )
 
 
 def quick_plan() -> Plan:
     return Plan(
         points=[
-            Point("small", 1, rounds=2, duration_s=1.0, per_client=100),
-            Point("small", 64, rounds=2, duration_s=2.0, per_client=20),
-            Point("small", 512, rounds=1, duration_s=4.0, per_client=3),
-            Point("harness", 1, rounds=2, duration_s=10.0, conversations=1),
-            Point("harness", 64, rounds=1, duration_s=30.0),
-            Point("harness", 512, rounds=1, duration_s=40.0, conversations=512),
+            Point("small", 1, rounds=2, duration_s=1.0),
+            Point("small", 64, rounds=1, duration_s=2.0),
+            Point("small", 512, rounds=1, duration_s=60.0, per_client=1),
+            Point("harness", 1, rounds=1, duration_s=30.0, conversations=1),
+            Point("harness", 64, rounds=1, duration_s=60.0),
+            Point("harness_mid", 512, rounds=1, duration_s=60.0, per_client=1),
         ],
         turns=10,
-        memory_rollouts=100,
+        memory_rollouts=40,
         memory_duration_s=60.0,
     )
 
@@ -479,8 +491,13 @@ def run_point(stack: Stack, gen: LoadGen, point: Point, plan: Plan) -> dict[str,
             result = gen.run(spec)
             cpu = {k: f() - before[k] for k, f in procs.items()}
             this[path] = s = summarize_phase(result, cpu)
+            expected = point.expected_calls(plan.turns)
+            s["complete"] = expected is None or s["calls"] == expected
+            s["setup_calls"], s["setup_errors"] = result["setup_calls"], result["setup_errors"]
+            if s["setup_errors"]:
+                log(f"  WARNING: {s['setup_errors']} of the untimed setup calls failed")
             log(
-                f"  {point.shape:7s} c={point.load:<3d} round {r + 1}/{point.rounds} {path:8s}"
+                f"  {point.shape:11s} c={point.load:<3d} round {r + 1}/{point.rounds} {path:8s}"
                 f" ok={s['ok']:<6d} err={s['errors']:<4d} p50={s['p50_ms']:8.2f} ms"
                 f" p99={s['p99_ms']:8.2f} ms {s['calls_per_s']:7.1f}/s client cpu {s['client_cpu_util']:.0%}"
             )
@@ -489,7 +506,16 @@ def run_point(stack: Stack, gen: LoadGen, point: Point, plan: Plan) -> dict[str,
 
 
 def aggregate_point(point: Point, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"shape": point.shape, "load": point.load, "rounds": len(rounds), "paths": {}}
+    out: dict[str, Any] = {
+        "shape": "small" if point.shape == "small" else "harness",
+        "mode": {"small": "one turn", "harness": "whole conversations", "harness_mid": "mid-conversation"}[
+            point.shape
+        ],
+        "load": point.load,
+        "rounds": len(rounds),
+        "bound": "time" if point.expected_calls(0) is None else "count",
+        "paths": {},
+    }
     for path in PATHS:
         per = [r[path] for r in rounds]
         added_p50 = [r[path]["p50_ms"] - r["direct"]["p50_ms"] for r in rounds]
@@ -513,7 +539,7 @@ def aggregate_point(point: Point, rounds: list[dict[str, dict[str, Any]]]) -> di
             "calls": sum(p["calls"] for p in per),
             "errors": sum(p["errors"] for p in per),
             "error_kinds": _merge([p["error_kinds"] for p in per]),
-            "timed_out_rounds": sum(1 for p in per if p["timed_out"]),
+            "incomplete_rounds": sum(1 for p in per if not p["complete"]),
             "client_cpu_util": med([p["client_cpu_util"] for p in per]),
             "cpu_ms_per_call": {k: med([p["cpu_ms_per_call"][k] for p in per]) for k in cpu_keys},
             "per_turn_p50_ms": {t: med(v) for t, v in sorted(turns.items())},
@@ -553,7 +579,7 @@ def turn_cost(points: list[dict[str, Any]], turns: int) -> dict[str, Any]:
     """Added latency of turn `turns` vs turn 1 (and the last 5 turns vs turns 2-6), per harness load."""
     out: dict[str, Any] = {}
     for p in points:
-        if p["shape"] != "harness":
+        if p["mode"] != "whole conversations":
             continue
         direct = p["paths"]["direct"]["per_turn_p50_ms"]
         row: dict[str, Any] = {}
@@ -718,9 +744,9 @@ def maybe_profile(enabled: bool, pid: int | None, out: Path) -> Iterator[None]:
 # -- output -------------------------------------------------------------------------------------
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| shape | load | path | p50 added ms | p99 added ms | TTFB p50 added ms | calls/s | errors |"
-        " gw/LiteLLM p50 | gw/LiteLLM p99 | goal ≤1/3 |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| shape | load | path | p50 added ms | p99 added ms | TTFB p50 added ms | calls/s "
+        "| proxy CPU ms/call | errors | gw/LiteLLM p50 | gw/LiteLLM p99 | goal ≤1/3 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
 
     def f(x: float | None, nd: int = 2) -> str:
@@ -728,12 +754,13 @@ def markdown(report: dict[str, Any]) -> str:
 
     for p in report["points"]:
         ratios = p["ratio_gateway_vs_litellm"]
+        shape = p["shape"] + (" (mid-conv.)" if p["mode"] == "mid-conversation" else "")
         for path in PATHS:
             d = p["paths"][path]
             if path == "direct":
                 lines.append(
-                    f"| {p['shape']} | {p['load']} | direct (baseline: p50 {f(d['p50_ms'])} ms, p99 "
-                    f"{f(d['p99_ms'])} ms) | – | – | – | {f(d['calls_per_s'], 0)} | {d['errors']} | | | |"
+                    f"| {shape} | {p['load']} | direct (p50 {f(d['p50_ms'])}, p99 {f(d['p99_ms'])} ms) "
+                    f"| – | – | – | {f(d['calls_per_s'], 0)} | – | {d['errors']} | | | |"
                 )
                 continue
             extra = (
@@ -742,8 +769,9 @@ def markdown(report: dict[str, Any]) -> str:
                 else " | | |"
             )
             lines.append(
-                f"| {p['shape']} | {p['load']} | {path} | {f(d['added_p50_ms'])} | {f(d['added_p99_ms'])} | "
-                f"{f(d['added_ttfb_p50_ms'])} | {f(d['calls_per_s'], 0)} | {d['errors']} |{extra}"
+                f"| {shape} | {p['load']} | {path} | {f(d['added_p50_ms'])} | {f(d['added_p99_ms'])} | "
+                f"{f(d['added_ttfb_p50_ms'])} | {f(d['calls_per_s'], 0)} "
+                f"| {f(d['cpu_ms_per_call'].get('proxy'))} | {d['errors']} |{extra}"
             )
     out = ["", "## Gateway overhead vs LiteLLM (added = path − direct, median over rounds)", "", *lines]
     tc = report.get("turn_cost") or {}
@@ -808,7 +836,7 @@ def main() -> None:
     started = time.monotonic()
     plan = quick_plan() if args.quick else full_plan()
     shapes, loads = set(args.shapes.split(",")), {int(x) for x in args.loads.split(",")}
-    plan.points = [p for p in plan.points if p.shape in shapes and p.load in loads]
+    plan.points = [p for p in plan.points if p.shape.split("_")[0] in shapes and p.load in loads]
     if args.memory_rollouts is not None:
         plan.memory_rollouts = args.memory_rollouts
     bench_venv = Path(args.bench_venv)

@@ -10,6 +10,9 @@ A phase: `concurrency` streaming clients, each in a loop that is bounded in coun
 - shape "harness": the clients take conversations off a shared counter until `conversations` are
   done; a conversation is turns 1..`turns` sent one after another (the next turn only after the
   answer to the previous), on the gateway in a rollout of its own.
+- shape "harness_mid": each client sends `per_client` consecutive turns from the middle of a
+  conversation (start turns spread over the conversation); on the gateway its rollout first gets
+  the conversation so far in one untimed call, so the timed turns go through the token memory.
 
 Latency is measured from just before the request is written to the end of the response body
 (the SSE stream's `[DONE]`); time to first byte is the first body chunk.
@@ -104,6 +107,7 @@ class Phase:
             await self.call(url, key, self.payloads[0], 0)
 
     async def harness_client(self, counter: list[int]) -> None:
+        """Whole conversations, turn 1 to the last, one rollout each."""
         turns = self.spec["turns"]
         # The first conversation's rollout is made before the clock starts; later ones on the way.
         first: tuple[str, str] | None = await self.endpoint()
@@ -118,24 +122,53 @@ class Phase:
                     return
                 await self.call(url, key, self.payloads[turn - 1], turn)
 
+    async def harness_mid_client(self, index: int, setup: asyncio.Semaphore) -> None:
+        """`per_client` consecutive turns from the middle of a conversation (steady state).
+
+        Client i starts at a turn spread evenly over [2, turns - per_client + 1]. On the gateway the
+        rollout first gets the conversation so far in one untimed call (a new branch), so the timed
+        turns extend it through the token memory, as they would after turns 1..start-1.
+        """
+        turns, k, n = self.spec["turns"], self.spec["per_client"], self.spec["concurrency"]
+        span = max(0, turns - k - 1)
+        start = 2 + (index * span) // max(1, n - 1) if span else 2
+        start = min(start, max(1, turns - k + 1))
+        async with setup:
+            url, key = await self.endpoint()
+            if self.spec["path"] == "gateway" and start > 1:
+                self.t0, self.deadline = time.perf_counter(), time.perf_counter() + 120
+                await self.call(url, key, self.payloads[start - 2], -(start - 1))
+        self.prepared += 1
+        await self.ready.wait()
+        for turn in range(start, min(turns, start + k - 1) + 1):
+            if time.perf_counter() > self.deadline:
+                return
+            await self.call(url, key, self.payloads[turn - 1], turn)
+
     async def run(self) -> dict[str, Any]:
         n = self.spec["concurrency"]
         if self.spec.get("warmup", True):
             await self.warmup(n)
         self.prepared = 0
-        if self.spec["shape"] == "small":
+        shape = self.spec["shape"]
+        if shape == "small":
             tasks = [asyncio.ensure_future(self.small_client()) for _ in range(n)]
+        elif shape == "harness_mid":
+            setup = asyncio.Semaphore(32)
+            tasks = [asyncio.ensure_future(self.harness_mid_client(i, setup)) for i in range(n)]
         else:
             counter = [0]
             tasks = [asyncio.ensure_future(self.harness_client(counter)) for _ in range(n)]
-        # Gateway rollouts are created before the clock starts: only the model calls are timed.
-        setup_deadline = time.perf_counter() + 120
+        # Rollouts (and, mid-conversation, their history) are made before the clock starts.
+        setup_deadline = time.perf_counter() + 300
         while self.prepared < n and time.perf_counter() < setup_deadline:
-            if any(t.done() for t in tasks):
-                for t in tasks:
-                    if t.done() and t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
+            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                raise RuntimeError(f"a client failed during setup: {failed.exception()!r}")
             await asyncio.sleep(0.01)
+        setup_samples = [s for s in self.samples if s[0] < 0]
+        setup_errors = sum(1 for s in setup_samples if not s[3])
+        self.samples, self.errors = [], {}
         cpu0, self.t0 = time.process_time(), time.perf_counter()
         self.deadline = self.t0 + self.spec["duration_s"]
         self.ready.set()
@@ -152,6 +185,8 @@ class Phase:
             "active_s": max(ends) if ends else wall,
             "client_cpu_s": cpu,
             "timed_out": time.perf_counter() > self.deadline,
+            "setup_calls": len(setup_samples),
+            "setup_errors": setup_errors,
         }
 
     async def warmup(self, n: int) -> None:
@@ -182,7 +217,7 @@ async def main() -> None:
                 break
             shape = spec["shape"]
             turns = spec.get("turns", 30)
-            body_list = payloads[spec["path"]][shape]
+            body_list = payloads[spec["path"]]["small" if shape == "small" else "harness"]
             spec.setdefault("turns", turns)
             spec.setdefault("per_client", 1_000_000)
             spec.setdefault("conversations", spec["concurrency"])

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -288,12 +289,22 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def work_dir() -> Iterator[Path]:
+    """Scratch space of our own: pytest's basetemp can be pruned by other pytest sessions meanwhile."""
+    path = Path(tempfile.mkdtemp(prefix="openforgerl-vllm-test-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, work_dir: Path) -> Iterator[Server]:
     """A real vLLM OpenAI server on a free port, started from `.venv-vllm`, killed at the end."""
     if not VLLM_PYTHON.exists():
         pytest.skip("no .venv-vllm: run `make test-vllm` (it builds the vLLM venv)")
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    log = work_dir / "server.log"
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
@@ -539,36 +550,47 @@ def test_context_length(vllm_server: Server) -> None:
     run_engine(vllm_server.url, server_side, max_context=10 * MAX_MODEL_LEN)
 
 
-def running_requests(url: str) -> float:
+def vllm_metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.split()[-1])
-    raise AssertionError("no vllm:num_requests_running metric")
+    raise AssertionError(f"vLLM reports no {name}")
 
 
 @vllm
 def test_cancellation_aborts_the_request(vllm_server: Server, prompt: list[int]) -> None:
-    async def go(eng: VLLMEngine) -> float:
-        long = SamplingParams(max_tokens=1500, seed=1)
-        task = asyncio.create_task(eng.generate(prompt, long))
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if await asyncio.to_thread(running_requests, vllm_server.url) == 1:
+    url = vllm_server.url
+    max_tokens = MAX_MODEL_LEN - len(prompt)  # seconds of generating, with ignore_eos
+
+    def generated() -> float:
+        return vllm_metric(url, "vllm:generation_tokens_total")
+
+    async def go(eng: VLLMEngine) -> tuple[float, float]:
+        before = await asyncio.to_thread(generated)
+        task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=max_tokens, seed=1)))
+        for _ in range(150):  # until vLLM is visibly generating it
+            await asyncio.sleep(0.1)
+            if await asyncio.to_thread(generated) > before + 20:
                 break
         else:
-            raise AssertionError("the request never started running")
+            raise AssertionError("the request never started generating")
         task.cancel()
+        t0 = time.monotonic()
         with pytest.raises(asyncio.CancelledError):
             await task
-        t0 = time.monotonic()
-        while await asyncio.to_thread(running_requests, vllm_server.url) != 0:
-            assert time.monotonic() - t0 < 3, "vLLM kept generating after the client left"
+        while await asyncio.to_thread(vllm_metric, url, "vllm:num_requests_running") != 0:
+            assert time.monotonic() - t0 < 5, "vLLM kept the cancelled request running"
             await asyncio.sleep(0.05)
-        return time.monotonic() - t0
+        freed_s = time.monotonic() - t0
+        stopped_at = await asyncio.to_thread(generated)
+        await asyncio.sleep(1.0)
+        assert await asyncio.to_thread(generated) == stopped_at, "vLLM kept generating"
+        return freed_s, stopped_at - before
 
-    # ignore_eos: the generation would run its full 1500 tokens (seconds) unless aborted.
-    freed_after = run_engine(vllm_server.url, go, extra_body={"ignore_eos": True})
-    print(f"vLLM freed the cancelled request's slot {freed_after:.2f} s after the cancel")
+    # ignore_eos: the generation would run its full length unless aborted.
+    freed_s, tokens = run_engine(url, go, extra_body={"ignore_eos": True})
+    assert tokens < max_tokens
+    print(f"vLLM freed the cancelled request {freed_s:.2f} s after the cancel, after {tokens:.0f} tokens")
 
 
 def eos_prone_checkpoint(src: Path, dst: Path, eos: list[int], prompt: list[int]) -> None:
@@ -597,11 +619,12 @@ def eos_prone_checkpoint(src: Path, dst: Path, eos: list[int], prompt: list[int]
 
 @vllm
 def test_load_weights_and_eos(
-    vllm_server: Server, teacher: Teacher, prompt: list[int], tmp_path_factory: pytest.TempPathFactory
+    vllm_server: Server, teacher: Teacher, prompt: list[int], work_dir: Path
 ) -> None:
     base_dir = vllm_server.model_dir
     eos = eos_ids(base_dir)
-    new_dir = tmp_path_factory.mktemp("eos-prone")
+    new_dir = work_dir / "eos-prone"
+    new_dir.mkdir()
     eos_prone_checkpoint(base_dir, new_dir, eos, prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -654,12 +677,12 @@ def test_reload_during_generation_is_flagged(vllm_server: Server, prompt: list[i
 
 
 @vllm
-def test_bad_weights_path_is_refused_before_it_reaches_vllm(vllm_server: Server, tmp_path: Path) -> None:
+def test_bad_weights_path_is_refused_before_it_reaches_vllm(vllm_server: Server, work_dir: Path) -> None:
     """vLLM 0.32 shuts down when asked to reload from a path without weights; the engine checks first."""
 
     async def go(eng: VLLMEngine) -> None:
         with pytest.raises(EngineError, match="holds no"):
-            await eng.load_weights(str(tmp_path))
+            await eng.load_weights(str(work_dir))  # it holds only the server's log
         assert eng.policy_version == 0
 
     run_engine(vllm_server.url, go)
