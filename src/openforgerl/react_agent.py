@@ -148,8 +148,8 @@ def run(
             reply = client.chat.completions.create(
                 model=model,
                 messages=messages,
-                tools=TOOLS,
-                **({"max_tokens": max_tokens} if max_tokens else {}),
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=max_tokens or openai.omit,
             )
         except openai.APIError as exc:
             out.stopped = "api_error"

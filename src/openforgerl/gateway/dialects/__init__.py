@@ -34,6 +34,7 @@ class Dialect(Protocol):
 
 
 def default_dialects() -> list[Dialect]:
+    from openforgerl.gateway.dialects.anthropic import AnthropicMessages
     from openforgerl.gateway.dialects.openai_chat import OpenAIChat
 
-    return [OpenAIChat()]
+    return [OpenAIChat(), AnthropicMessages()]
