@@ -19,19 +19,7 @@ from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Ses
 from openforgerl.gateway.dialects import Dialect, default_dialects
 from openforgerl.gateway.errors import GatewayError, bad_request, unauthorized
 from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
-
-
-def side_request_reason(requested: dict[str, Any], rollout_uses_tools: bool) -> str:
-    """Why a call looks like a side request (title, router, memory extraction), '' if it does not.
-
-    Harnesses send these through the same endpoint and key; training may include or skip them.
-    """
-    reasons = []
-    if requested.get("response_format"):
-        reasons.append("asks for structured output")
-    if rollout_uses_tools and not requested.get("tools"):
-        reasons.append("no tools while the rollout's conversation has them")
-    return "; ".join(reasons)
+from openforgerl.trajectory import side_request_reason
 
 
 class Gateway:

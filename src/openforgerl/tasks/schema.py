@@ -1,0 +1,170 @@
+"""The task schema: a task is data.
+
+Task files
+----------
+A task file is YAML (``.yaml``/``.yml``) or JSON Lines (``.jsonl``, one task object per line).
+A YAML file holds one task, a list of tasks, or a mapping ``{defaults: {...}, tasks: [...]}`` whose
+``defaults`` are merged under every task (a task's own keys win; the merge is shallow). Unknown
+keys are errors, so a typo never silently drops a setting. Paths in a file are relative to it.
+
+Fields
+------
+``id`` (required)
+    Unique id: letters, digits, ``.``, ``_``, ``-``; starts with a letter or digit.
+``instruction`` (required)
+    What the agent is asked to do, given to the harness as the user's request.
+``split`` (required)
+    ``train``, ``heldout`` or ``test``. Required on purpose: a default would silently put evaluation
+    tasks into training.
+``files``
+    The initial work directory: a folder path (relative to the task file) copied as-is, or inline
+    ``{relative path: text content}``. Default: empty.
+``setup``
+    Shell commands run with ``sh -c`` in the work directory, in order, before the harness starts.
+``harness``, ``harness_options``
+    The harness to run the task with and its options (e.g. ``{max_turns: 10}``); ``harness: null``
+    (the default) lets the run choose, which is how one task set trains several harnesses.
+``verifier`` (required), one of:
+    ``{command: ..., files: ..., timeout: 120}``
+        run with ``sh -c`` in the work directory inside the sandbox after the harness finished. It
+        prints a JSON object ``{"reward": <float in [0, 1]>, ...details}`` as its last output line,
+        or prints no JSON and exits 0 (reward 1) or 1 (reward 0); any other exit status, bad JSON
+        or a timeout is a verifier error, never a policy failure. ``files`` (a folder or inline,
+        like the task's) are put outside the work directory only after the harness finished, so the
+        agent never sees them. The command's environment has ``OPENFORGE_TASK_ID`` and
+        ``OPENFORGE_VERIFIER_DIR`` (where ``files`` were put).
+    ``{python: "package.module:function", kwargs: {...}}``
+        called in the runner's process as ``function(workdir: Path, **kwargs)`` on the final work
+        directory (copied out of the sandbox); it returns a reward (float or bool) or a mapping
+        ``{"reward": ..., ...details}``. Never use it to execute what the agent wrote: that belongs
+        in a command verifier, inside the sandbox.
+``timeout``
+    Seconds the harness may run (default 600).
+``resources``
+    ``{memory, cpus, pids}``, each optional (the backend's default). ``memory`` takes bytes or a
+    size with a unit: ``512MiB``/``512Mi`` (binary), ``1GB``/``1G`` (decimal, as in Kubernetes).
+``image``
+    The container image for container backends (the environment; harness adapters install on top).
+``tags``, ``metadata``
+    Free-form labels and data (e.g. what a task generator drew); the runner ignores them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
+
+Split = Literal["train", "heldout", "test"]
+
+
+def _kubernetes_units(value: Any) -> Any:
+    # pydantic's ByteSize reads "512MiB" but not Kubernetes' "512Mi".
+    if isinstance(value, str) and value.rstrip().lower().endswith(("ki", "mi", "gi", "ti")):
+        return value.rstrip() + "B"
+    return value
+
+
+Memory = Annotated[ByteSize, BeforeValidator(_kubernetes_units)]
+
+
+def _check_inline_path(path: str) -> None:
+    p = PurePosixPath(path)
+    if not path or p.is_absolute() or ".." in p.parts or str(p) != path:
+        raise ValueError(f"inline file path {path!r} must be a plain relative path (no '..', no '/' first)")
+
+
+def _resolve_files(value: Any, info: ValidationInfo) -> Any:
+    """A folder is relative to the task file (passed as context by the loader), else to the cwd."""
+    if isinstance(value, dict):
+        for path in value:
+            _check_inline_path(path)
+        return value
+    if isinstance(value, str | Path):
+        base = Path((info.context or {}).get("base_dir", "."))
+        folder = (base / value).resolve()
+        if not folder.is_dir():
+            raise ValueError(f"files folder {str(value)!r} is not a directory (looked at {folder})")
+        return folder
+    return value
+
+
+Files = dict[str, str] | Path
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CommandVerifier(_Model):
+    command: str = Field(min_length=1)
+    files: Files | None = None
+    timeout: PositiveFloat = 120.0
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_files(value, info)
+
+
+class PythonVerifier(_Model):
+    python: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def _verifier_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "python" if "python" in value else "command"
+    if isinstance(value, PythonVerifier):
+        return "python"
+    return "command" if isinstance(value, CommandVerifier) else None
+
+
+Verifier = Annotated[
+    Annotated[CommandVerifier, Tag("command")] | Annotated[PythonVerifier, Tag("python")],
+    Discriminator(
+        _verifier_kind,
+        custom_error_type="verifier",
+        custom_error_message="a verifier is {command: ..., files: ...} or {python: 'module:function'}",
+    ),
+]
+
+
+class Resources(_Model):
+    memory: Memory | None = None
+    cpus: PositiveFloat | None = None
+    pids: PositiveInt | None = None
+
+
+class Task(_Model):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    instruction: str = Field(min_length=1)
+    split: Split
+    files: Files = Field(default_factory=dict)
+    setup: list[str] = Field(default_factory=list)
+    harness: str | None = None
+    harness_options: dict[str, Any] = Field(default_factory=dict)
+    verifier: Verifier
+    timeout: PositiveFloat = 600.0
+    resources: Resources = Field(default_factory=Resources)
+    image: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_files(value, info)

@@ -1,0 +1,155 @@
+"""tools-tiny: multi-turn tool-use tasks small and regular enough for a tiny CPU model to learn.
+
+Each task reads one to three one-line files with `read_file`, computes something trivial (a sum of
+small numbers, the largest of three, a word in capitals) and writes it with `write_file` to
+answer.txt: two to four tool calls, short fixed-pattern instructions, a programmatic verifier.
+Tasks are drawn deterministically from a seed; held-out tasks never repeat a training task.
+
+`oracle(task)` is the rule-based solver: the tool calls and final answer that solve a task, which
+an SFT step distils into the model (in the Hermes `<tool_call>` format: `OracleCall.text()`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from openforgerl.tasks.schema import PythonVerifier, Split, Task
+
+ANSWER_FILE = "answer.txt"
+VERIFIER = f"{__name__}:verify_answer"
+_LETTERS = "abcdefgh"
+_WORDS = (
+    "cat dog sun map cup pen box hat red fox bee owl ant egg ice jam key log net oak "
+    "pig rat sky toy van web zip bus car fig gum ink joy kit leg mud nut pot rug tea"
+).split()
+
+
+def _numbers(count: int, low: int, high: int) -> Callable[[random.Random], list[int]]:
+    return lambda rng: [rng.randint(low, high) for _ in range(count)]
+
+
+def _word(rng: random.Random) -> list[str]:
+    return [rng.choice(_WORDS)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    name: str
+    instruction: str  # {f0}, {f1}, {f2}: the input file names
+    draw: Callable[[random.Random], list[Any]]  # one value per input file
+    answer: Callable[[list[str]], str]  # from the files' stripped contents
+
+
+_FAMILIES = (
+    _Family(
+        "add",
+        "Read {f0} and {f1}. Write their sum to answer.txt.",
+        _numbers(2, 0, 50),
+        lambda v: str(int(v[0]) + int(v[1])),
+    ),
+    _Family(
+        "sub",
+        "Read {f0} and {f1}. Write the first minus the second to answer.txt.",
+        lambda rng: sorted(_numbers(2, 0, 50)(rng), reverse=True),
+        lambda v: str(int(v[0]) - int(v[1])),
+    ),
+    _Family(
+        "mul",
+        "Read {f0} and {f1}. Write their product to answer.txt.",
+        _numbers(2, 1, 9),
+        lambda v: str(int(v[0]) * int(v[1])),
+    ),
+    _Family(
+        "max",
+        "Read {f0}, {f1} and {f2}. Write the largest number to answer.txt.",
+        _numbers(3, 0, 99),
+        lambda v: str(max(int(x) for x in v)),
+    ),
+    _Family("copy", "Read {f0}. Write the same word to answer.txt.", _word, lambda v: v[0]),
+    _Family("upper", "Read {f0}. Write the word in capitals to answer.txt.", _word, lambda v: v[0].upper()),
+    _Family("reverse", "Read {f0}. Write the word backwards to answer.txt.", _word, lambda v: v[0][::-1]),
+)
+FAMILIES: dict[str, _Family] = {f.name: f for f in _FAMILIES}
+
+
+def generate(seed: int = 0, n_train: int = 200, n_heldout: int = 50) -> list[Task]:
+    """`n_train` train tasks then `n_heldout` held-out ones, the families taking turns."""
+    rng = random.Random(seed)
+    seen: set[tuple[Any, ...]] = set()
+    tasks: list[Task] = []
+    attempts = 0
+    while len(tasks) < n_train + n_heldout:
+        if attempts > 100 * (n_train + n_heldout):
+            raise ValueError(f"cannot draw {n_train + n_heldout} distinct tools-tiny tasks")
+        family = _FAMILIES[attempts % len(_FAMILIES)]
+        attempts += 1
+        values = family.draw(rng)
+        names = [f"{letter}.txt" for letter in rng.sample(_LETTERS, len(values))]
+        key = (family.name, *names, *values)
+        if key in seen:
+            continue
+        seen.add(key)
+        split: Split = "train" if len(tasks) < n_train else "heldout"
+        index = len(tasks) if split == "train" else len(tasks) - n_train
+        files = {name: f"{value}\n" for name, value in zip(names, values, strict=True)}
+        tasks.append(
+            Task(
+                id=f"tools-tiny-{split}-{index:04d}",
+                instruction=family.instruction.format(**{f"f{i}": n for i, n in enumerate(names)}),
+                split=split,
+                files=files,
+                verifier=PythonVerifier(
+                    python=VERIFIER,
+                    kwargs={"expected": family.answer([str(v) for v in values])},
+                ),
+                timeout=120,
+                tags=["tools-tiny", family.name],
+                metadata={"family": family.name, "inputs": names, "seed": seed},
+            )
+        )
+    return tasks
+
+
+def verify_answer(workdir: Path, expected: str, path: str = ANSWER_FILE) -> dict[str, Any]:
+    """Reward 1 when the answer file holds exactly `expected` (surrounding whitespace ignored)."""
+    target = Path(workdir) / path
+    if not target.is_file():
+        return {"reward": 0.0, "expected": expected, "error": f"{path} is missing"}
+    got = target.read_text(encoding="utf-8", errors="replace").strip()
+    return {"reward": float(got == expected), "expected": expected, "got": got[:200]}
+
+
+@dataclass(frozen=True, slots=True)
+class OracleCall:
+    name: str
+    arguments: dict[str, str]
+
+    def text(self) -> str:
+        """The call as the model must write it (Hermes/Qwen format, the chat template's own)."""
+        return f"<tool_call>\n{json.dumps({'name': self.name, 'arguments': self.arguments})}\n</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class OracleSolution:
+    calls: tuple[OracleCall, ...]
+    final_answer: str
+
+
+def oracle(task: Task) -> OracleSolution:
+    """The rule-based solution: read every input file, write the answer, say the answer.
+
+    The answer is computed from the task's files, not taken from its verifier, so the tests can
+    check the two against each other.
+    """
+    family = FAMILIES[task.metadata["family"]]
+    names: list[str] = task.metadata["inputs"]
+    assert isinstance(task.files, dict), "tools-tiny tasks carry their files inline"
+    answer = family.answer([task.files[n].strip() for n in names])
+    reads = [OracleCall("read_file", {"path": n}) for n in names]
+    write = OracleCall("write_file", {"path": ANSWER_FILE, "content": answer})
+    return OracleSolution((*reads, write), answer)

@@ -1,0 +1,141 @@
+"""Running a task on this machine's file system: its files, its setup, its verifier.
+
+Sandbox backends reuse the pieces (`write_files`, `verifier_env`, `parse_verifier_output`,
+`run_python_verifier`); `prepare_local` and `verify_local` are the plain-subprocess versions, used
+by the tests and by a local backend without isolation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from openforgerl.tasks.schema import CommandVerifier, Files, PythonVerifier, Task
+
+OUTPUT_TAIL = 2000  # characters of a verifier's output kept in the details
+
+
+class VerifierError(RuntimeError):
+    """The verifier itself failed (crashed, timed out, printed nonsense): not the policy's fault."""
+
+
+class SetupError(RuntimeError):
+    """A task's setup command failed: the task, not the policy, is broken."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierResult:
+    reward: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def reward_from_value(value: Any) -> VerifierResult:
+    """A verifier's answer (float, bool, or mapping with "reward" + details) as a checked result."""
+    details: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise VerifierError(f"the verifier's answer has no 'reward': {dict(value)!r:.200}")
+        details = {k: v for k, v in value.items() if k != "reward"}
+        value = value["reward"]
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, int | float) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise VerifierError(f"the reward must be a number in [0, 1], got {value!r:.80}")
+    return VerifierResult(float(value), details)
+
+
+def parse_verifier_output(stdout: str, exit_code: int, stderr: str = "") -> VerifierResult:
+    """A command verifier's outcome: JSON on its last output line, else exit 0 = 1.0 and 1 = 0.0."""
+    if exit_code not in (0, 1):
+        raise VerifierError(
+            f"the verifier exited with status {exit_code}: {(stdout + stderr)[-OUTPUT_TAIL:]}"
+        )
+    lines = stdout.strip().splitlines()
+    last = lines[-1].strip() if lines else ""
+    if last.startswith("{"):
+        try:
+            return reward_from_value(orjson.loads(last))
+        except orjson.JSONDecodeError as exc:
+            raise VerifierError(f"the verifier's last line is not valid JSON: {last[:200]}") from exc
+    return VerifierResult(1.0 if exit_code == 0 else 0.0, {"exit_code": exit_code})
+
+
+def write_files(files: Files, dest: Path) -> None:
+    """Put a task's (or verifier's) files into `dest`: a folder is copied, inline files are written."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if isinstance(files, Path):
+        shutil.copytree(files, dest, dirs_exist_ok=True)
+        return
+    for rel, content in files.items():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+
+
+def verifier_env(task_id: str, verifier_dir: str) -> dict[str, str]:
+    return {"OPENFORGE_TASK_ID": task_id, "OPENFORGE_VERIFIER_DIR": verifier_dir}
+
+
+def prepare_local(task: Task, workdir: Path) -> None:
+    """Write the task's files into `workdir` and run its setup commands there."""
+    write_files(task.files, workdir)
+    for command in task.setup:
+        try:
+            done = subprocess.run(
+                ["sh", "-c", command], cwd=workdir, capture_output=True, text=True, timeout=task.timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise SetupError(
+                f"task {task.id!r}: setup command {command!r} ran over {task.timeout} s"
+            ) from exc
+        if done.returncode != 0:
+            raise SetupError(
+                f"task {task.id!r}: setup command {command!r} exited with {done.returncode}: "
+                f"{(done.stdout + done.stderr)[-OUTPUT_TAIL:]}"
+            )
+
+
+def run_python_verifier(verifier: PythonVerifier, workdir: Path) -> VerifierResult:
+    module_name, _, function_name = verifier.python.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+        value = function(workdir, **verifier.kwargs)
+    except Exception as exc:
+        raise VerifierError(f"the verifier {verifier.python} failed: {exc!r}") from exc
+    return reward_from_value(value)
+
+
+def _run_command_verifier(task_id: str, verifier: CommandVerifier, workdir: Path) -> VerifierResult:
+    # The verifier's files live outside the work directory, as they would in a sandbox.
+    with tempfile.TemporaryDirectory(prefix="openforge-verifier-") as verifier_dir:
+        if verifier.files is not None:
+            write_files(verifier.files, Path(verifier_dir))
+        try:
+            done = subprocess.run(
+                ["sh", "-c", verifier.command],
+                cwd=workdir,
+                env={**os.environ, **verifier_env(task_id, verifier_dir)},
+                capture_output=True,
+                text=True,
+                timeout=verifier.timeout,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise VerifierError(f"the verifier ran over its timeout of {verifier.timeout} s") from exc
+    return parse_verifier_output(done.stdout, done.returncode, done.stderr)
+
+
+def verify_local(task: Task, workdir: Path) -> VerifierResult:
+    """Run the task's verifier on `workdir` (a plain subprocess: no isolation from this machine)."""
+    if isinstance(task.verifier, PythonVerifier):
+        return run_python_verifier(task.verifier, workdir)
+    return _run_command_verifier(task.id, task.verifier, workdir)

@@ -1,0 +1,258 @@
+"""Recorded calls + reward -> training samples.
+
+Merge mode (the default): a call whose prompt ids start with the whole of an earlier sample's
+sequence (prompt + sampled completion, and any calls merged into it since) is appended to that
+sample: its new prompt ids with loss mask 0, its completion with mask 1. The test is on the ids
+themselves, not on the recorded `parent_call_id`, so a sample is exactly the sequence the policy
+saw and sampled. A call that extends no sample (history rewritten, compaction, a sub-agent, or a
+fork: a second call continuing a sample that another call already continued) starts a new
+sample. A multi-turn rollout then costs one forward pass over its tokens instead of one per turn
+over the whole prefix again (O(T) instead of O(T^2) tokens).
+
+Per-call mode (the paper's): one sample per call, prompt masked, reward optionally discounted by
+gamma^(T - t) for the t-th of T + 1 calls.
+
+Side requests (titles, routers, memory extraction: `side_request_reason`) never merge
+with the main conversation; they become their own samples, flagged, or are left out with
+`include_side_requests=False`. Calls that failed (no completion) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from openforgerl.store import CallRow, Store
+
+
+def side_request_reason(requested: dict[str, Any], rollout_uses_tools: bool) -> str:
+    """Why a call looks like a side request (title, router, memory extraction), '' if it does not.
+
+    Harnesses send these through the same endpoint and key; training may include or skip them.
+    """
+    reasons = []
+    if requested.get("response_format"):
+        reasons.append("asks for structured output")
+    if rollout_uses_tools and not requested.get("tools"):
+        reasons.append("no tools while the rollout's conversation has them")
+    return "; ".join(reasons)
+
+
+Mode = Literal["merge", "per_call"]
+NO_VERSION = -1  # in `Sample.policy_versions`: a prompt token, or an engine that reported no version
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedCall:
+    """One model call as the builder needs it: full prompt ids, sampled ids and their logprobs."""
+
+    call_id: int
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    completion_logprobs: Sequence[float]
+    policy_version: int | None = None
+    finish_reason: str | None = None
+    side_request: str = ""  # why the call looks like a side request; '' when it does not
+    branch_id: int = 0  # as recorded by the gateway
+    branch_reason: str = ""
+    status: str = "ok"
+    rollout_id: str = ""
+
+
+def calls_from_rows(rows: Sequence[CallRow]) -> list[RecordedCall]:
+    """Adapter for the store's rows of one rollout (in seq order): rebuilds the full prompts."""
+    prompts = Store.full_prompts(rows)
+    uses_tools = any(r.sampling_requested.get("tools") for r in rows)
+    out = []
+    for r in rows:
+        assert r.id is not None, "rows read from the store have ids"
+        out.append(
+            RecordedCall(
+                call_id=r.id,
+                prompt_ids=prompts[r.id],
+                completion_ids=r.completion_ids,
+                completion_logprobs=r.completion_logprobs,
+                policy_version=r.policy_version,
+                finish_reason=r.finish_reason,
+                side_request=side_request_reason(r.sampling_requested, uses_tools),
+                branch_id=r.branch_id,
+                branch_reason=r.branch_reason,
+                status=r.status,
+                rollout_id=r.rollout_id,
+            )
+        )
+    return out
+
+
+def calls_from_json(payload: Mapping[str, Any]) -> list[RecordedCall]:
+    """Adapter for the body of the gateway's GET /admin/rollouts/{id}/calls."""
+    return [
+        RecordedCall(
+            call_id=c["call_id"],
+            prompt_ids=c["prompt_ids"],
+            completion_ids=c["completion_ids"],
+            completion_logprobs=c["completion_logprobs"],
+            policy_version=c.get("policy_version"),
+            finish_reason=c.get("finish_reason"),
+            side_request=c.get("side_request", ""),
+            branch_id=c.get("branch_id", 0),
+            branch_reason=c.get("branch_reason", ""),
+            status=c.get("status", "ok"),
+            rollout_id=payload.get("rollout_id", ""),
+        )
+        for c in payload["calls"]
+    ]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One training sequence. Per-token lists are aligned with `input_ids`."""
+
+    rollout_id: str
+    reward: float
+    branch_id: int  # the gateway's branch id of the sample's first call
+    branch_reason: str  # why that call started a new branch ('' when it extended one)
+    side_request: str = ""  # why this is a side request; '' for the main conversation
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on the rest
+    logprobs: list[float] = field(default_factory=list)  # behaviour logprobs; 0.0 where mask is 0
+    policy_versions: list[int] = field(default_factory=list)  # NO_VERSION where mask is 0
+    call_ids: list[int] = field(default_factory=list)
+    completion_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per call
+    truncated: bool = False  # a completion in it was cut by max_tokens
+    advantage: float | None = None  # set by the trainer
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def min_policy_version(self) -> int | None:
+        versions = [v for v in self.policy_versions if v != NO_VERSION]
+        return min(versions) if versions else None
+
+    @property
+    def max_policy_version(self) -> int | None:
+        versions = [v for v in self.policy_versions if v != NO_VERSION]
+        return max(versions) if versions else None
+
+    def append(self, call: RecordedCall) -> None:
+        """Append the call's prompt ids beyond this sequence (mask 0) and its completion (mask 1)."""
+        if len(call.completion_logprobs) != len(call.completion_ids):
+            raise ValueError(
+                f"call {call.call_id}: {len(call.completion_logprobs)} logprobs for "
+                f"{len(call.completion_ids)} completion ids"
+            )
+        new_prompt = call.prompt_ids[len(self.input_ids) :]
+        self.input_ids += new_prompt
+        self.loss_mask += [0] * len(new_prompt)
+        self.logprobs += [0.0] * len(new_prompt)
+        self.policy_versions += [NO_VERSION] * len(new_prompt)
+        start = len(self.input_ids)
+        n = len(call.completion_ids)
+        self.input_ids += call.completion_ids
+        self.loss_mask += [1] * n
+        self.logprobs += call.completion_logprobs
+        version = NO_VERSION if call.policy_version is None else call.policy_version
+        self.policy_versions += [version] * n
+        self.call_ids.append(call.call_id)
+        self.completion_spans.append((start, start + n))
+        self.truncated = self.truncated or call.finish_reason == "length"
+
+    def extended_by(self, call: RecordedCall) -> bool:
+        n = len(self.input_ids)
+        return (
+            bool(self.side_request) == bool(call.side_request)
+            and len(call.prompt_ids) >= n
+            and list(call.prompt_ids[:n]) == self.input_ids
+        )
+
+
+def _new_sample(call: RecordedCall, reward: float) -> Sample:
+    return Sample(call.rollout_id, reward, call.branch_id, call.branch_reason, call.side_request)
+
+
+def _usable(calls: Sequence[RecordedCall], include_side_requests: bool) -> list[RecordedCall]:
+    return [c for c in calls if c.status == "ok" and (include_side_requests or not c.side_request)]
+
+
+def build_samples(
+    calls: Sequence[RecordedCall],
+    reward: float,
+    *,
+    mode: Mode = "merge",
+    gamma: float = 1.0,
+    include_side_requests: bool = True,
+) -> list[Sample]:
+    """The samples of one rollout's calls (in the order they were made), every one with `reward`
+    (per-call mode: discounted by `gamma`). The trainer fills in `advantage`."""
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    if gamma != 1.0 and mode != "per_call":
+        raise ValueError("gamma discounts per-call samples; merge mode has one reward per sequence")
+    usable = _usable(calls, include_side_requests)
+    samples: list[Sample] = []
+    if mode == "per_call":
+        last = len(usable) - 1
+        for t, call in enumerate(usable):
+            sample = _new_sample(call, reward * gamma ** (last - t))
+            sample.append(call)
+            samples.append(sample)
+        return samples
+    for call in usable:
+        extendable = [s for s in samples if s.extended_by(call)]
+        if extendable:
+            target = max(extendable, key=lambda s: len(s.input_ids))
+        else:
+            target = _new_sample(call, reward)
+            samples.append(target)
+        target.append(call)
+    return samples
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStats:
+    """Training tokens of merged vs per-call samples; add them up over rollouts with `+`."""
+
+    calls: int = 0
+    samples: int = 0  # merged samples
+    loss_tokens: int = 0  # sampled tokens: the same in both modes
+    tokens_merged: int = 0
+    tokens_per_call: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """How many times more tokens per-call training processes than merged training."""
+        return self.tokens_per_call / self.tokens_merged if self.tokens_merged else 1.0
+
+    def __add__(self, other: TokenStats) -> TokenStats:
+        return TokenStats(
+            self.calls + other.calls,
+            self.samples + other.samples,
+            self.loss_tokens + other.loss_tokens,
+            self.tokens_merged + other.tokens_merged,
+            self.tokens_per_call + other.tokens_per_call,
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "calls": self.calls,
+            "samples": self.samples,
+            "loss_tokens": self.loss_tokens,
+            "tokens_merged": self.tokens_merged,
+            "tokens_per_call": self.tokens_per_call,
+            "ratio": self.ratio,
+        }
+
+
+def token_stats(calls: Sequence[RecordedCall], *, include_side_requests: bool = True) -> TokenStats:
+    merged = build_samples(calls, 0.0, include_side_requests=include_side_requests)
+    usable = _usable(calls, include_side_requests)
+    return TokenStats(
+        calls=len(usable),
+        samples=len(merged),
+        loss_tokens=sum(len(c.completion_ids) for c in usable),
+        tokens_merged=sum(len(s.input_ids) for s in merged),
+        tokens_per_call=sum(len(c.prompt_ids) + len(c.completion_ids) for c in usable),
+    )
