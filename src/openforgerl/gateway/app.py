@@ -45,7 +45,7 @@ class Gateway:
     async def session(self, request: Request) -> Session:
         key = api_key_of(request)
         if key is None:
-            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'.")
         session = await self.core.session_for_key(key)
         if session is None:
             raise unauthorized()
@@ -90,10 +90,10 @@ class Gateway:
         )
 
     def dialect_for(self, path: str) -> Dialect:
-        for dialect in self.dialects:
+        for dialect in self.dialects[1:]:
             if dialect.owns_path(path):
                 return dialect
-        return self.dialects[0]
+        return self.dialects[0]  # the fallback owns everything the others don't
 
     def error(self, err: GatewayError, request: Request) -> Response:
         """An error in the dialect of the path it answers."""

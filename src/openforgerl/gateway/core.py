@@ -80,6 +80,7 @@ class CallOutcome:
     completion_ids: list[int]
     logprobs: list[float]
     parse_errors: list[str] = field(default_factory=list)
+    stop_reason: str | int | None = None  # the stop string or token id that ended generation
 
 
 class GatewayCore:
@@ -329,6 +330,7 @@ class GatewayCore:
             completion_ids=result.completion_ids,
             logprobs=result.logprobs,
             parse_errors=errors,
+            stop_reason=result.stop_reason,
         )
 
     async def _record_ok(

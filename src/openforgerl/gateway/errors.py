@@ -29,8 +29,11 @@ class GatewayError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after: float | None = None,
+        details: dict[str, int] | None = None,
     ) -> None:
         super().__init__(message)
+        # Numbers a dialect may word its own way (e.g. prompt_tokens and max_context).
+        self.details = details or {}
         self.status = status
         self.message = message
         self.kind = kind
@@ -61,4 +64,5 @@ def context_length_exceeded(prompt_tokens: int, max_context: int) -> GatewayErro
         kind="context_length",
         code="context_length_exceeded",
         param="messages",
+        details={"prompt_tokens": prompt_tokens, "max_context": max_context},
     )

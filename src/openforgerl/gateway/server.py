@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +91,47 @@ def serve(cfg: GatewayConfig) -> None:
         timeout_keep_alive=75,
         backlog=4096,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    gateway: Gateway
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.gateway.admin_token}"}
+
+
+@contextlib.contextmanager
+def serve_in_thread(cfg: GatewayConfig, engine: Engine | None = None) -> Iterator[RunningGateway]:
+    """A gateway on its own event loop in a background thread (port 0: a free port is picked).
+
+    The embedded default for one machine: `openforge eval` runs its rollouts against one of these.
+    """
+    cfg.port = cfg.port or free_port()
+    cfg.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
+    app, gateway = build_app(cfg, engine)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, backlog=4096)
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningGateway(f"http://{cfg.host}:{cfg.port}", gateway, loop)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

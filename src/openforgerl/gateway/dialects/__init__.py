@@ -35,6 +35,8 @@ class Dialect(Protocol):
 
 def default_dialects() -> list[Dialect]:
     from openforgerl.gateway.dialects.anthropic import AnthropicMessages
+    from openforgerl.gateway.dialects.gemini import Gemini
     from openforgerl.gateway.dialects.openai_chat import OpenAIChat
+    from openforgerl.gateway.dialects.responses import OpenAIResponses
 
-    return [OpenAIChat(), AnthropicMessages()]
+    return [OpenAIChat(), OpenAIResponses(), Gemini(), AnthropicMessages()]

@@ -1,0 +1,202 @@
+"""`openforge eval` and `openforge rollout`: run tasks through a harness, score them, report.
+
+On one machine the gateway is embedded (a background thread serving the model directory with the
+built-in engine); with `--gateway URL` the rollouts go to a running gateway instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from openforgerl.engines.base import Engine
+from openforgerl.eval_stats import summarize
+from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, react_harness
+from openforgerl.sandbox.local import LocalBackend
+from openforgerl.tasks import Task, load_tasks
+from openforgerl.trajectory import build_samples, calls_from_json, token_stats
+
+
+@dataclass
+class EvalOptions:
+    tasks: str
+    harness: str = "react"
+    k: int = 1
+    n: int | None = None
+    split: str | None = None
+    limit: int | None = None
+    model: str | None = None  # model directory for the embedded gateway
+    gateway: str | None = None  # or a running gateway's URL (with admin_token)
+    admin_token: str = ""
+    concurrency: int = 4
+    max_tokens: int = 256
+    max_turns: int = 12
+    temperature: float = 1.0
+    on_failure: OnFailure = "zero"
+    out: Path = Path("runs/eval")
+    run_id: str = ""
+    progress: bool = True
+
+
+@contextlib.contextmanager
+def _gateway(opts: EvalOptions, engine: Engine | None) -> Iterator[tuple[str, str]]:
+    if opts.gateway:
+        yield opts.gateway.rstrip("/"), opts.admin_token
+        return
+    if not opts.model:
+        raise ValueError("give --model DIR (served by an embedded gateway) or --gateway URL")
+    cfg = GatewayConfig(
+        model=opts.model,
+        port=0,
+        store=str(opts.out / "gateway.db"),
+        max_tokens=opts.max_tokens,
+        temperature=opts.temperature,
+    )
+    with serve_in_thread(cfg, engine) as gw:
+        yield gw.url, gw.gateway.admin_token
+
+
+def _select(opts: EvalOptions) -> list[Task]:
+    tasks = load_tasks(opts.tasks, split=opts.split)  # type: ignore[arg-type]
+    return tasks[: opts.limit] if opts.limit else tasks
+
+
+Recorded = dict[str, Any]  # gateway rollout id -> the JSON of its recorded calls
+
+
+def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[RolloutResult], Recorded]:
+    """Run every selected task n times; returns the results and what the gateway recorded."""
+    if opts.harness != "react":
+        raise ValueError(f"harness {opts.harness!r}: only the built-in 'react' harness runs in sandboxes yet")
+    tasks = _select(opts)
+    n = opts.n or opts.k
+    opts.out.mkdir(parents=True, exist_ok=True)
+    run_id = opts.run_id or opts.out.name
+    with _gateway(opts, engine) as (url, token):
+        cfg = RunnerConfig(
+            gateway_url=url,
+            admin_token=token,
+            run_id=run_id,
+            state_path=opts.out / "runner.db",
+            concurrency=opts.concurrency,
+            on_failure=opts.on_failure,
+        )
+        bar = tqdm(total=len(tasks) * n, desc="rollouts", unit="rollout", disable=not opts.progress)
+
+        def done(r: RolloutResult) -> None:
+            bar.update(1)
+            bar.set_postfix_str(f"last {r.task_id}: {r.outcome or r.status.value} reward={r.reward}")
+
+        async def go() -> list[RolloutResult]:
+            runner = Runner(cfg, LocalBackend(), react_harness(opts.max_turns, opts.max_tokens))
+            try:
+                return await runner.run(tasks, n, on_done=done)
+            finally:
+                await runner.close()
+
+        try:
+            results = asyncio.run(go())
+        finally:
+            bar.close()
+        recorded = _recorded(url, token, results)
+    return results, recorded
+
+
+def _recorded(url: str, token: str, results: list[RolloutResult]) -> dict[str, Any]:
+    """Each rollout's calls from the gateway (for tokens, trajectories and merge statistics)."""
+    out = {}
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=120) as client:
+        for r in results:
+            if r.gateway_rollout_id:
+                resp = client.get(f"/admin/rollouts/{r.gateway_rollout_id}/calls")
+                if resp.status_code == 200:
+                    out[r.gateway_rollout_id] = resp.json()
+    return out
+
+
+def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
+    """pass@k, pass^k and mean reward (95% CI) over n >= k runs per task; writes report.json/.md."""
+    t0 = time.monotonic()
+    results, recorded = run_rollouts(opts, engine)
+    scored = [r for r in results if r.status == Status.DONE and r.reward is not None]
+    runs: dict[str, list[float]] = collections.defaultdict(list)
+    for r in scored:
+        runs[r.task_id].append(float(r.reward or 0.0))
+    k = opts.k
+    complete = {t: v for t, v in runs.items() if len(v) >= k}
+    summary = summarize(complete, ks=tuple(range(1, k + 1))) if complete else None
+    calls = [c for payload in recorded.values() for c in calls_from_json(payload)]
+    stats = token_stats(calls) if calls else None
+    report: dict[str, Any] = {
+        "tasks": opts.tasks,
+        "harness": opts.harness,
+        "k": k,
+        "n": opts.n or k,
+        "rollouts": len(results),
+        "scored": len(scored),
+        "outcomes": dict(collections.Counter(r.outcome or r.status.value for r in results)),
+        "status": dict(collections.Counter(r.status.value for r in results)),
+        "tasks_without_k_scored_runs": sorted(set(r.task_id for r in results) - set(complete)),
+        "summary": summary.to_dict() if summary else None,
+        "tokens": {
+            "prompt": sum(len(c.prompt_ids) for c in calls),
+            "completion": sum(len(c.completion_ids) for c in calls),
+            "training": stats.as_dict() if stats else None,
+        },
+        "seconds": round(time.monotonic() - t0, 1),
+        "seconds_per_rollout_median": _median([r.seconds.get("total", 0.0) for r in results]),
+    }
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "report.json").write_text(json.dumps(report, indent=2))
+    (opts.out / "report.md").write_text(_markdown(report, summary.to_markdown() if summary else ""))
+    return report
+
+
+def run_and_write_trajectories(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
+    """`openforge rollout`: run the tasks and write the training samples they produced (JSONL)."""
+    results, recorded = run_rollouts(opts, engine)
+    path = opts.out / "samples.jsonl"
+    n_samples = 0
+    with path.open("w") as f:
+        for r in results:
+            if r.status != Status.DONE or r.gateway_rollout_id not in recorded:
+                continue
+            calls = calls_from_json(recorded[r.gateway_rollout_id])
+            for s in build_samples(calls, float(r.reward or 0.0)):
+                row = {"task_id": r.task_id, "sample": r.sample, **dataclasses.asdict(s)}
+                f.write(json.dumps(row) + "\n")
+                n_samples += 1
+    return {"rollouts": len(results), "samples": n_samples, "path": str(path)}
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return round(values[len(values) // 2], 2) if values else 0.0
+
+
+def _markdown(report: dict[str, Any], summary_md: str) -> str:
+    lines = [
+        f"# Evaluation: {report['tasks']} with the {report['harness']} harness",
+        "",
+        f"- rollouts: {report['rollouts']} ({report['scored']} scored), k = {report['k']}, n = {report['n']}",
+        f"- outcomes: {', '.join(f'{k}: {v}' for k, v in sorted(report['outcomes'].items()))}",
+        f"- tokens: {report['tokens']['prompt']} prompt, {report['tokens']['completion']} completion",
+        f"- time: {report['seconds']} s in all, "
+        f"{report['seconds_per_rollout_median']} s per rollout (median)",
+    ]
+    if report["tasks_without_k_scored_runs"]:
+        missing = ", ".join(report["tasks_without_k_scored_runs"])
+        lines.append(f"- tasks without {report['k']} scored runs: {missing}")
+    return "\n".join(lines) + "\n\n" + summary_md

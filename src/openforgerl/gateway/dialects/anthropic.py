@@ -1,0 +1,511 @@
+"""Anthropic Messages (Claude Code, pi): wire models, and the translation to and from a `Conversation`.
+
+Choices the wire format leaves open, and why:
+
+- Text blocks of one message (system, user, tool result) are joined with a newline, so a string and
+  a list with one text block become the same `Message`. Claude Code moves `cache_control` to the
+  newest block every turn, flipping that message between the two forms; token memory never notices.
+- The `system` prompt is kept as sent, Claude Code's `x-anthropic-billing-header` block included:
+  it is constant within a session (so token memory loses nothing) and it is what the policy will
+  see when deployed behind Claude Code.
+- A `tool_result` with `is_error: true` becomes a tool message starting "Error: ", so the model sees
+  the failure the harness reported. Several tool results in one user turn become several tool
+  messages; text beside them becomes a user message, in the order sent.
+- `thinking` blocks are the assistant's reasoning; `redacted_thinking` is dropped (encrypted, nothing
+  a model can read). `thinking.display == "omitted"` (Claude Code) is honoured: the block comes back
+  with its signature but without its text; the record keeps every sampled token regardless.
+- Images and documents get a 400 until images are supported. So do server tools (a `type` other
+  than "custom", e.g. `web_search_20250305`): nobody here runs them, and a model answering a search
+  that never ran would fabricate the results. `defer_loading` is ignored: with no tool search, a
+  deferred tool is listed like any other. A final assistant message (prefill) gets a 400: the chat
+  template always opens a new turn.
+- `usage.input_tokens` counts the prompt tokens not reused from token memory and
+  `cache_read_input_tokens` the reused ones; their sum is the prompt length, as in Anthropic's API
+  (Claude Code adds them up to decide when to compact).
+- An engine that is down stays the core's 503, typed `api_error`; a 529 (injected faults) is an
+  `overloaded_error`. Claude Code 2.1.332 retried five 503s in a row as it did five 529s, but it
+  treats overload specially (`--fallback-model` switches models on it). After a stream has begun
+  the status is spent, so engine trouble is an `overloaded_error` event, as Anthropic sends it.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.gateway.core import CallOutcome, PreparedCall
+from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.http import JSONResponse, read_body
+
+if TYPE_CHECKING:
+    from openforgerl.gateway.app import Gateway
+
+NAME = "anthropic"
+
+
+class _Wire(BaseModel):
+    # Claude Code sends many fields this gateway has no use for (cache_control, context_management,
+    # safeguards, metadata, top_k, ...); they are accepted and ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+class MediaBlock(_Wire):
+    type: Literal["image", "document"]
+
+
+class ToolUseBlock(_Wire):
+    type: Literal["tool_use"]
+    id: str = ""
+    name: str = Field(min_length=1)
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(_Wire):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ResultPart] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(_Wire):
+    type: Literal["thinking"]
+    thinking: str = ""
+
+
+class RedactedThinkingBlock(_Wire):
+    type: Literal["redacted_thinking"]
+
+
+Block = Annotated[
+    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class WireMessage(_Wire):
+    # "system" inside `messages` is not in Anthropic's public API, but Claude Code sends it.
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]
+
+
+class ToolDef(_Wire):
+    type: str | None = None  # absent or "custom": a function the client runs
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoice(_Wire):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class ThinkingConfig(_Wire):
+    type: str
+    display: str | None = None
+
+
+class OutputConfig(_Wire):
+    format: dict[str, Any] | None = None
+
+
+class MessagesRequest(_Wire):
+    model: str
+    messages: list[WireMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    # Required by Anthropic's API; optional here, so the run's policy supplies the default.
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's older spelling
+
+
+def _unsupported(block: Block, param: str, place: str) -> GatewayError:
+    if isinstance(block, MediaBlock):
+        return bad_request(
+            f"{block.type} input not supported yet: this gateway's model takes text only.", param=param
+        )
+    return bad_request(f"'{block.type}' blocks are not allowed in {place}.", param=param)
+
+
+def _text(content: str | Sequence[Block], where: str, place: str) -> str:
+    """The text of content that holds text blocks only (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, block in enumerate(content):
+        if not isinstance(block, TextBlock):
+            raise _unsupported(block, f"{where}.{i}.type", place)
+        texts.append(block.text)
+    return "\n".join(texts)
+
+
+def _user(content: str | list[Block], where: str) -> list[Message]:
+    """One user turn: each tool_result becomes a tool message, text runs become user messages."""
+    if isinstance(content, str):
+        return [Message("user", content)]
+    out: list[Message] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            out.append(Message("user", "\n".join(texts)))
+            texts.clear()
+
+    for i, block in enumerate(content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            flush()
+            body = _text(block.content, f"{where}.{i}.content", "tool results")
+            out.append(
+                Message("tool", "Error: " + body if block.is_error else body, tool_call_id=block.tool_use_id)
+            )
+        else:
+            raise _unsupported(block, f"{where}.{i}.type", "user messages")
+    flush()
+    return out or [Message("user", "")]
+
+
+def _assistant(content: str | list[Block], where: str) -> Message:
+    if isinstance(content, str):
+        return Message("assistant", content)
+    texts, reasoning, calls = [], [], []
+    for i, block in enumerate(content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            calls.append(ToolCall(block.name, block.input, block.id))
+        elif not isinstance(block, RedactedThinkingBlock):
+            raise _unsupported(block, f"{where}.{i}.type", "assistant messages")
+    return Message(
+        "assistant", "\n".join(texts), reasoning="\n".join(r for r in reasoning if r), tool_calls=calls
+    )
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    """Recorded in OpenAI's spelling, the one every dialect's records share."""
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice of type 'tool' needs the tool's 'name'.", param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _tools(tools: list[ToolDef] | None) -> list[Tool]:
+    out = []
+    for i, t in enumerate(tools or []):
+        if t.type not in (None, "custom"):
+            raise bad_request(
+                f"Tool type '{t.type}' is a server tool, which this gateway cannot run; only custom "
+                "tools ({name, description, input_schema}) are supported.",
+                param=f"tools.{i}.type",
+            )
+        if t.input_schema is None:
+            raise bad_request("Custom tools need an 'input_schema'.", param=f"tools.{i}.input_schema")
+        out.append(Tool(t.name, t.description or "", t.input_schema))
+    return out
+
+
+def _validation_error(exc: ValidationError) -> GatewayError:
+    # The deepest error is the telling one: a union's other members fail at its root.
+    err = max(exc.errors(), key=lambda e: len(e["loc"]))
+    if err["type"] == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {err['msg']}")
+    # Drop pydantic's union-member labels ('str', 'list[...]') so the path reads like the body.
+    loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p == "str")))
+    if not loc:
+        return bad_request(f"The request body must be a JSON object: {err['msg']}")
+    return bad_request(f"Invalid value for '{loc}': {err['msg']}", param=loc)
+
+
+def parse_request(body: bytes) -> tuple[Conversation, MessagesRequest]:
+    """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
+    try:
+        req = MessagesRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+    messages: list[Message] = []
+    if req.system is not None:
+        messages.append(Message("system", _text(req.system, "system", "system prompts")))
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        if m.role == "user":
+            messages += _user(m.content, where)
+        elif m.role == "assistant":
+            messages.append(_assistant(m.content, where))
+        else:
+            messages.append(Message("system", _text(m.content, where, "system messages")))
+    if req.messages[-1].role == "assistant":
+        # The chat template always opens a new assistant turn, so a prefill cannot be continued.
+        raise bad_request(
+            "A final assistant message (prefill) is not supported: end with a user message.",
+            param=f"messages.{len(req.messages) - 1}.role",
+        )
+    conv = Conversation(
+        model=req.model,
+        messages=messages,
+        tools=_tools(req.tools),
+        tool_choice=_tool_choice(req.tool_choice),
+        response_format=(req.output_config.format if req.output_config else None) or req.output_format,
+        sampling=SamplingRequest(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=req.max_tokens,
+            stop=list(req.stop_sequences or []),
+        ),
+        stream=req.stream,
+        dialect=NAME,
+    )
+    return conv, req
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def _usage(prompt_tokens: int, reused: int, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt_tokens - reused,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": reused,
+        "output_tokens": output_tokens,
+    }
+
+
+class _Answer:
+    """Renders one call's outcome for the request that asked for it."""
+
+    def __init__(self, req: MessagesRequest, gateway: Gateway) -> None:
+        self.req = req
+        self.id = f"msg_{secrets.token_hex(12)}"
+        # Claude Code asks for `display: "omitted"`: the block comes, its text does not.
+        self.hide_thinking = req.thinking is not None and req.thinking.display == "omitted"
+
+    def content(self, out: CallOutcome) -> list[dict[str, Any]]:
+        m = out.message
+        blocks: list[dict[str, Any]] = []
+        if m.reasoning:
+            blocks.append(
+                {
+                    "type": "thinking",
+                    "thinking": "" if self.hide_thinking else m.reasoning,
+                    # Opaque to clients, who send it back unchanged; nothing here checks it.
+                    "signature": f"openforgerl-{out.call_id}",
+                }
+            )
+        if m.content:
+            blocks.append({"type": "text", "text": m.content})
+        for c in m.tool_calls:
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": "toolu_" + c.id.removeprefix("call_"),
+                    "name": c.name,
+                    # The completion parser only yields JSON objects; a string cannot occur here.
+                    "input": c.arguments if isinstance(c.arguments, dict) else {},
+                }
+            )
+        return blocks
+
+    def stop(self, out: CallOutcome) -> tuple[str, str | None]:
+        """Anthropic's stop_reason and stop_sequence."""
+        if out.finish_reason == "length":
+            return "max_tokens", None
+        if out.finish_reason == "tool_calls":
+            return "tool_use", None
+        if isinstance(out.stop_reason, str):
+            return "stop_sequence", out.stop_reason
+        return "end_turn", None
+
+    def body(self, out: CallOutcome) -> bytes:
+        stop_reason, stop_sequence = self.stop(out)
+        return orjson.dumps(
+            {
+                "id": self.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.req.model,
+                "content": self.content(out),
+                "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence,
+                "usage": _usage(out.prompt_tokens, out.cached_tokens, out.completion_tokens),
+            }
+        )
+
+    def stream_start(self, prepared: PreparedCall) -> bytes:
+        """message_start (the prompt is known before generation) and a ping."""
+        message: dict[str, Any] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.req.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(len(prepared.plan.prompt_ids), prepared.plan.prefix_len, 0),
+        }
+        return _event("message_start", {"type": "message_start", "message": message}) + _event(
+            "ping", {"type": "ping"}
+        )
+
+    def stream_events(self, out: CallOutcome) -> Iterator[bytes]:
+        """Every content block as start / delta(s) / stop, then message_delta and message_stop."""
+        for index, block in enumerate(self.content(out)):
+            start: dict[str, Any]
+            deltas: list[dict[str, Any]]
+            if block["type"] == "thinking":
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+                deltas = (
+                    [{"type": "thinking_delta", "thinking": block["thinking"]}] if block["thinking"] else []
+                )
+                deltas.append({"type": "signature_delta", "signature": block["signature"]})
+            elif block["type"] == "text":
+                start = {"type": "text", "text": ""}
+                deltas = [{"type": "text_delta", "text": block["text"]}]
+            else:
+                start = {**block, "input": {}}
+                deltas = [{"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}]
+            yield _event(
+                "content_block_start", {"type": "content_block_start", "index": index, "content_block": start}
+            )
+            for delta in deltas:
+                yield _event(
+                    "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+                )
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+        stop_reason, stop_sequence = self.stop(out)
+        yield _event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": _usage(out.prompt_tokens, out.cached_tokens, out.completion_tokens),
+            },
+        )
+        yield _event("message_stop", {"type": "message_stop"})
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length": "invalid_request_error",
+    "too_large": "request_too_large",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "unavailable": "api_error",
+    "internal": "api_error",
+}
+
+
+def _message(err: GatewayError) -> str:
+    if err.kind == "context_length":
+        # Anthropic's wording, which Claude Code recognises to compact its context and retry.
+        d = err.details
+        return f"prompt is too long: {d['prompt_tokens']} tokens > {d['max_context']} maximum"
+    return err.message
+
+
+def error_body(err: GatewayError, overloaded: bool = False) -> bytes:
+    error_type = "overloaded_error" if overloaded or err.status == 529 else _TYPES[err.kind]
+    return orjson.dumps({"type": "error", "error": {"type": error_type, "message": _message(err)}})
+
+
+def stream_error(err: GatewayError) -> bytes:
+    """An error after the stream began (engine trouble): an SSE `error` event the SDK raises."""
+    # The status is already 200, so only the type can say "transient": Anthropic's own word for it.
+    transient = err.kind in ("rate_limit", "unavailable")
+    return b"event: error\ndata: " + error_body(err, overloaded=transient) + b"\n\n"
+
+
+_OWNED = re.compile(r"^(/r/[^/]+)?(/v1/messages(/.*)?|/api/hello)$")
+
+
+class AnthropicMessages:
+    """`POST /v1/messages`, `POST /v1/messages/count_tokens`, and the probes Claude Code sends."""
+
+    name = NAME
+
+    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
+        async def messages(request: Request) -> Response:
+            parsed: list[MessagesRequest] = []
+
+            def parse(body: bytes) -> Conversation:
+                conv, req = parse_request(body)
+                parsed.append(req)
+                return conv
+
+            try:
+                prepared = await gateway.open_call(request, parse)
+            except GatewayError as err:
+                return self.error_response(err)
+            answer = _Answer(parsed[0], gateway)
+            if answer.req.stream:
+                return gateway.stream_call(
+                    prepared, answer.stream_start(prepared), answer.stream_events, stream_error
+                )
+            try:
+                outcome = await gateway.finish_call(request, prepared)
+            except GatewayError as err:
+                return self.error_response(err)
+            if outcome is None:  # the client is gone; nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(answer.body(outcome))
+
+        async def count_tokens(request: Request) -> Response:
+            try:
+                session = await gateway.session(request)
+                conv, _ = parse_request(await read_body(request, gateway.max_body))
+            except GatewayError as err:
+                return self.error_response(err)
+            return JSONResponse({"input_tokens": gateway.core.count_tokens(session, conv)})
+
+        async def probe(request: Request) -> Response:
+            # Claude Code checks that the endpoint is up (HEAD /api/hello, the base URL) before it starts.
+            return JSONResponse({"status": "ok"})
+
+        return [
+            Route(prefix + "/v1/messages", messages, methods=["POST"]),
+            Route(prefix + "/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route(prefix + "/api/hello", probe, methods=["GET", "HEAD"]),
+            Route(prefix or "/", probe, methods=["GET", "HEAD"]),
+        ]
+
+    def owns_path(self, path: str) -> bool:
+        return _OWNED.match(path) is not None
+
+    def error_response(self, err: GatewayError) -> Response:
+        return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())

@@ -1,0 +1,540 @@
+"""Gemini (Generative Language API): wire models, and the translation to and from a `Conversation`.
+
+Serves what Gemini CLI, pi's google dialect and the google-genai SDKs send:
+`POST /v1beta/models/{model}:generateContent | :streamGenerateContent | :countTokens` (also under
+`/v1`) and `GET /v1beta/models[/{model}]`. The model name comes from the path and is kept in the record.
+
+Translation decisions:
+- Echoed model turns: Gemini CLI adds a client-made `id` and a `thoughtSignature` to each
+  functionCall. Both are ignored, so the echoed turn is the same Message with or without them.
+  functionResponse ids are ignored too: Gemini pairs calls and responses by name and order.
+- A functionResponse becomes a `tool` message: `response.output` when it is the only key (the shape
+  Gemini CLI and pi send; a string verbatim, anything else as JSON), otherwise the JSON of `response`.
+- Thought parts of model turns are reasoning. Reasoning is answered as a thought part only when
+  `thinkingConfig.includeThoughts` asks for it, as the API does.
+- Tools other than functionDeclarations (googleSearch, codeExecution, ...) cannot run here: they are
+  skipped, and named in the `x-openforgerl-declined-tools` response header.
+- inlineData/fileData parts are refused with a 400: the policy reads text only.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from urllib.parse import quote
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+from starlette import types as asgi
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.gateway.core import CallOutcome
+from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.http import JSONResponse, SSEResponse, read_body
+
+if TYPE_CHECKING:
+    from openforgerl.gateway.app import Gateway
+
+NAME = "gemini"
+DECLINED_TOOLS_HEADER = "x-openforgerl-declined-tools"
+ACTIONS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+class _Wire(BaseModel):
+    # Unknown fields (safetySettings, cachedContent, labels, topK, ...) are accepted and ignored.
+    # Google's JSON parser takes camelCase and snake_case names alike, and clients send both.
+    model_config = ConfigDict(
+        extra="ignore", alias_generator=to_camel, validate_by_name=True, validate_by_alias=True
+    )
+
+
+class FunctionCall(_Wire):
+    name: str = Field(min_length=1)
+    args: dict[str, Any] | None = None
+
+
+class FunctionResponse(_Wire):
+    name: str = ""
+    response: dict[str, Any] | None = None
+
+
+class Part(_Wire):
+    text: str | None = None
+    thought: bool = False
+    function_call: FunctionCall | None = None
+    function_response: FunctionResponse | None = None
+    inline_data: Any = None
+    file_data: Any = None
+
+
+class Content(_Wire):
+    role: str | None = None
+    parts: list[Part] = Field(default_factory=list)
+
+
+class FunctionDeclaration(_Wire):
+    name: str = Field(min_length=1)
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    parameters_json_schema: dict[str, Any] | None = None
+
+
+class ToolEntry(_Wire):
+    # Kept, not ignored: the other keys are the tool kinds this gateway declines.
+    model_config = ConfigDict(extra="allow")
+
+    function_declarations: list[FunctionDeclaration] | None = None
+
+
+class FunctionCallingConfig(_Wire):
+    mode: Literal["MODE_UNSPECIFIED", "AUTO", "ANY", "NONE", "VALIDATED"] = "MODE_UNSPECIFIED"
+    allowed_function_names: list[str] | None = None
+
+
+class ToolConfig(_Wire):
+    function_calling_config: FunctionCallingConfig | None = None
+
+
+class ThinkingConfig(_Wire):
+    include_thoughts: bool = False
+
+
+class GenerationConfig(_Wire):
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    stop_sequences: list[str] | None = None
+    candidate_count: int = 1
+    seed: int | None = None
+    response_mime_type: str | None = None
+    response_schema: dict[str, Any] | None = None
+    response_json_schema: dict[str, Any] | None = None
+    thinking_config: ThinkingConfig | None = None
+
+
+class GenerateContentRequest(_Wire):
+    contents: list[Content] = Field(default_factory=list)
+    system_instruction: Content | str | None = None
+    tools: list[ToolEntry] | None = None
+    tool_config: ToolConfig | None = None
+    generation_config: GenerationConfig | None = None
+
+
+class CountTokensRequest(_Wire):
+    contents: list[Content] = Field(default_factory=list)
+    generate_content_request: GenerateContentRequest | None = None
+
+
+@dataclass(slots=True)
+class Parsed:
+    conv: Conversation
+    include_thoughts: bool
+    declined_tools: list[str]
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validated(model: type[_M], body: bytes) -> _M:
+    try:
+        # orjson first: like the JS clients, it reads big integers as doubles, and it refuses lone
+        # surrogates and NaN/infinity, which orjson.dumps (token memory) could not write back.
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"Invalid JSON payload received. {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        where = f" at '{loc}'" if loc else ""
+        raise bad_request(f"Invalid JSON payload received{where}: {err['msg']}", param=loc or None) from exc
+
+
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Gemini's OpenAPI-style `Schema` as JSON Schema: its type names are upper case ("OBJECT")."""
+    out = dict(schema)
+    if isinstance(out.get("type"), str):
+        out["type"] = out["type"].lower()
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {
+            k: _json_schema(v) if isinstance(v, dict) else v for k, v in out["properties"].items()
+        }
+    if isinstance(out.get("items"), dict):
+        out["items"] = _json_schema(out["items"])
+    if isinstance(out.get("anyOf"), list):
+        out["anyOf"] = [_json_schema(s) if isinstance(s, dict) else s for s in out["anyOf"]]
+    return out
+
+
+def _refuse_media(part: Part, where: str) -> None:
+    if part.inline_data is not None or part.file_data is not None:
+        raise bad_request("Image input not supported yet: this gateway's model reads text only.", param=where)
+
+
+def _tool_output(response: FunctionResponse) -> str:
+    data = response.response or {}
+    if list(data) == ["output"]:
+        output = data["output"]
+        return output if isinstance(output, str) else orjson.dumps(output).decode()
+    return orjson.dumps(data).decode()
+
+
+def _messages(content: Content, where: str) -> list[Message]:
+    if not content.parts:
+        raise bad_request(f"* GenerateContentRequest.{where}.parts: contents.parts must not be empty.", where)
+    if content.role == "model":
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCall] = []
+        for j, part in enumerate(content.parts):
+            _refuse_media(part, f"{where}.parts.{j}")
+            if part.function_response is not None:
+                raise bad_request("A functionResponse belongs in a user turn.", f"{where}.parts.{j}")
+            if part.function_call is not None:
+                calls.append(ToolCall(part.function_call.name, part.function_call.args or {}))
+            elif part.text is not None:
+                (reasoning if part.thought else text).append(part.text)
+        return [Message("assistant", "".join(text), "".join(reasoning), calls)]
+    if content.role not in (None, "user", "function"):  # "function": the old role of function responses
+        raise bad_request("Please use a valid role: user, model.", f"{where}.role")
+    out: list[Message] = []
+    pending: list[str] = []
+    for j, part in enumerate(content.parts):
+        _refuse_media(part, f"{where}.parts.{j}")
+        if part.function_call is not None:
+            raise bad_request("A functionCall belongs in a model turn.", f"{where}.parts.{j}")
+        if part.function_response is not None:
+            if pending:
+                out.append(Message("user", "".join(pending)))
+                pending = []
+            out.append(
+                Message("tool", _tool_output(part.function_response), name=part.function_response.name)
+            )
+        elif part.text is not None:
+            pending.append(part.text)
+    if pending or not out:
+        out.append(Message("user", "".join(pending)))
+    return out
+
+
+def _system_text(instruction: Content | str | None) -> str:
+    if instruction is None or isinstance(instruction, str):
+        return instruction or ""
+    for j, part in enumerate(instruction.parts):
+        _refuse_media(part, f"systemInstruction.parts.{j}")
+    return "".join(p.text or "" for p in instruction.parts)
+
+
+def _tool_choice(config: ToolConfig | None) -> str | dict[str, Any] | None:
+    calling = config.function_calling_config if config is not None else None
+    if calling is None or calling.mode == "MODE_UNSPECIFIED":
+        return None
+    names = calling.allowed_function_names or []
+    if calling.mode == "ANY" and len(names) == 1:
+        return {"type": "function", "function": {"name": names[0]}}
+    return {"AUTO": "auto", "VALIDATED": "auto", "ANY": "required", "NONE": "none"}[calling.mode]
+
+
+def _response_format(gen: GenerationConfig) -> dict[str, Any] | None:
+    """Structured output, in the OpenAI shape the other dialects record."""
+    schema = gen.response_json_schema
+    if schema is None and gen.response_schema is not None:
+        schema = _json_schema(gen.response_schema)
+    if schema is not None:
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+    if gen.response_mime_type == "application/json":
+        return {"type": "json_object"}
+    return None
+
+
+def to_conversation(req: GenerateContentRequest, model: str, stream: bool) -> Parsed:
+    if not req.contents:
+        raise bad_request("* GenerateContentRequest.contents: contents is not specified", "contents")
+    messages: list[Message] = []
+    system = _system_text(req.system_instruction)
+    if system:
+        messages.append(Message("system", system))
+    for i, content in enumerate(req.contents):
+        messages += _messages(content, f"contents.{i}")
+    tools: list[Tool] = []
+    declined: list[str] = []
+    for entry in req.tools or []:
+        declined += list(entry.model_extra or {})
+        for f in entry.function_declarations or []:
+            params = f.parameters_json_schema
+            if params is None:
+                params = _json_schema(f.parameters or {})
+            tools.append(Tool(f.name, f.description, params))
+    gen = req.generation_config or GenerationConfig()
+    if gen.candidate_count != 1:
+        raise bad_request(
+            "Only candidateCount=1 is supported: send one request per sample.",
+            "generationConfig.candidateCount",
+        )
+    conv = Conversation(
+        model=model,
+        messages=messages,
+        tools=tools,
+        tool_choice=_tool_choice(req.tool_config),
+        response_format=_response_format(gen),
+        sampling=SamplingRequest(
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            max_tokens=gen.max_output_tokens,
+            stop=list(gen.stop_sequences or []),
+            seed=gen.seed,
+        ),
+        stream=stream,
+        dialect=NAME,
+    )
+    thinking = gen.thinking_config
+    return Parsed(conv, thinking is not None and thinking.include_thoughts, declined)
+
+
+def parse_request(body: bytes, model: str, stream: bool) -> Parsed:
+    """A generateContent body as a Conversation; GatewayError 400 if malformed."""
+    return to_conversation(_validated(GenerateContentRequest, body), model, stream)
+
+
+def parse_count_tokens(body: bytes, model: str) -> Conversation:
+    """A countTokens body: bare `contents`, or a whole `generateContentRequest`."""
+    req = _validated(CountTokensRequest, body)
+    full = req.generate_content_request or GenerateContentRequest(contents=req.contents)
+    return to_conversation(full, model, False).conv
+
+
+def _parts(message: Message, include_thoughts: bool) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    if include_thoughts and message.reasoning:
+        parts.append({"text": message.reasoning, "thought": True})
+    if message.content:  # never an empty text part: Gemini CLI drops such a chunk as invalid
+        parts.append({"text": message.content})
+    parts += [{"functionCall": {"id": c.id, "name": c.name, "args": c.arguments}} for c in message.tool_calls]
+    return parts
+
+
+def _response(parts: list[dict[str, Any]], model: str, response_id: str, final: CallOutcome | None) -> bytes:
+    """One GenerateContentResponse; `final` (the outcome) adds finishReason and usage."""
+    candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
+    body: dict[str, Any] = {"candidates": [candidate], "modelVersion": model, "responseId": response_id}
+    if final is not None:
+        candidate["finishReason"] = "MAX_TOKENS" if final.finish_reason == "length" else "STOP"
+        body["usageMetadata"] = {
+            "promptTokenCount": final.prompt_tokens,
+            "candidatesTokenCount": final.completion_tokens,
+            "totalTokenCount": final.prompt_tokens + final.completion_tokens,
+            "cachedContentTokenCount": final.cached_tokens,
+        }
+    return orjson.dumps(body)
+
+
+def response_body(out: CallOutcome, parsed: Parsed) -> bytes:
+    parts = _parts(out.message, parsed.include_thoughts)
+    return _response(parts, parsed.conv.model, _response_id(out), out)
+
+
+def stream_chunks(out: CallOutcome, parsed: Parsed) -> list[bytes]:
+    """The streamed responses: one part each, as the API streams them; the last one also carries
+    finishReason and usage. Clients concatenate the parts."""
+    pieces = [[p] for p in _parts(out.message, parsed.include_thoughts)] or [[]]
+    rid = _response_id(out)
+    return [
+        _response(piece, parsed.conv.model, rid, out if i == len(pieces) - 1 else None)
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def _response_id(out: CallOutcome) -> str:
+    return f"ofr{out.call_id}-{secrets.token_hex(6)}"
+
+
+_STATUS = {
+    "invalid_request": "INVALID_ARGUMENT",
+    "context_length": "INVALID_ARGUMENT",
+    "too_large": "INVALID_ARGUMENT",
+    "authentication": "UNAUTHENTICATED",
+    "permission": "PERMISSION_DENIED",
+    "not_found": "NOT_FOUND",
+    "rate_limit": "RESOURCE_EXHAUSTED",
+    "unavailable": "UNAVAILABLE",
+    "internal": "INTERNAL",
+}
+# The numbers of the core's context-length error, which is worded the OpenAI way.
+_CONTEXT_NUMBERS = re.compile(
+    r"maximum context length is (\d+) tokens\. However, your messages resulted in (\d+)"
+)
+
+
+def _http_status(err: GatewayError) -> int:
+    # The API refuses an oversized payload with 400 INVALID_ARGUMENT, not 413.
+    return 400 if err.kind == "too_large" else err.status
+
+
+def error_body(err: GatewayError) -> bytes:
+    message = err.message
+    numbers = _CONTEXT_NUMBERS.search(message) if err.kind == "context_length" else None
+    if numbers:  # Gemini's own words, which clients match on
+        prompt_tokens, limit = numbers[2], numbers[1]
+        message = (
+            f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({limit})."
+        )
+    details: list[dict[str, Any]] = []
+    if err.param:
+        details.append(
+            {
+                "@type": "type.googleapis.com/google.rpc.BadRequest",
+                "fieldViolations": [{"field": err.param, "description": message}],
+            }
+        )
+    if err.retry_after is not None:
+        # Gemini CLI ignores retry-after but reads this.
+        details.append(
+            {
+                "@type": "type.googleapis.com/google.rpc.RetryInfo",
+                "retryDelay": f"{max(1, round(err.retry_after))}s",
+            }
+        )
+    status = _http_status(err)
+    return orjson.dumps(
+        {"error": {"code": status, "message": message, "status": _STATUS[err.kind], "details": details}}
+    )
+
+
+def stream_error(err: GatewayError) -> bytes:
+    """An error after the stream began: a bare error object, which both google-genai SDKs raise as
+    an API error with its code (a `data:` event would reach the JS SDK as an empty response)."""
+    return error_body(err) + b"\n"
+
+
+class _SSE(SSEResponse):
+    """SSE whose keep-alives are blank lines, not comments: the google-genai Python SDK parses every
+    line that is not `data:` as JSON, so a comment line breaks its stream (the JS SDK skips both)."""
+
+    async def __call__(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+        async def blank_keepalives(message: asgi.Message) -> None:
+            if message["type"] == "http.response.body" and message.get("body", b"").startswith(b":"):
+                message = {**message, "body": b"\r\n\r\n"}
+            await send(message)
+
+        await super().__call__(scope, receive, blank_keepalives)
+
+
+def _declined_header(declined: list[str]) -> dict[str, str]:
+    return {DECLINED_TOOLS_HEADER: ", ".join(quote(k, safe="") for k in declined)} if declined else {}
+
+
+class Gemini:
+    """The Generative Language API's model routes, under /v1beta and /v1."""
+
+    name = NAME
+
+    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
+        async def generate(request: Request, streaming: bool) -> Response:
+            parsed: list[Parsed] = []
+
+            def parse(body: bytes) -> Conversation:
+                parsed.append(parse_request(body, request.path_params["model"], streaming))
+                return parsed[0].conv
+
+            try:
+                prepared = await gateway.open_call(request, parse)
+            except GatewayError as err:
+                return self.error_response(err)
+            p = parsed[0]
+            headers = _declined_header(p.declined_tools)
+            if streaming and request.query_params.get("alt") == "sse":
+                # Gateway.stream_call's SSEResponse, with blank-line keep-alives (see _SSE).
+                sse = _SSE(
+                    b"",
+                    lambda: gateway.core.run(prepared),
+                    lambda: gateway.core.release(prepared),
+                    lambda out: [b"data: " + c + b"\r\n\r\n" for c in stream_chunks(out, p)],
+                    stream_error,
+                )
+                sse.headers.update(headers)
+                return sse
+            try:
+                outcome = await gateway.finish_call(request, prepared)
+            except GatewayError as err:
+                return self.error_response(err)
+            if outcome is None:  # the client is gone; nobody reads this
+                return Response(status_code=499)
+            if streaming:  # without alt=sse the API streams one JSON array; it is sent whole
+                body = b"[" + b",\r\n".join(stream_chunks(outcome, p)) + b"]"
+            else:
+                body = response_body(outcome, p)
+            return JSONResponse(body, headers=headers)
+
+        async def generate_content(request: Request) -> Response:
+            return await generate(request, streaming=False)
+
+        async def stream_generate_content(request: Request) -> Response:
+            return await generate(request, streaming=True)
+
+        async def count_tokens(request: Request) -> Response:
+            try:
+                session = await gateway.session(request)
+                conv = parse_count_tokens(
+                    await read_body(request, gateway.max_body), request.path_params["model"]
+                )
+                total = gateway.core.count_tokens(session, conv)
+            except GatewayError as err:
+                return self.error_response(err)
+            return JSONResponse({"totalTokens": total})
+
+        async def model_info(request: Request, name: str) -> dict[str, Any]:
+            session = await gateway.session(request)
+            return {
+                "name": f"models/{name}",
+                "version": f"policy-v{gateway.core.engine.policy_version}",
+                "displayName": name,
+                "inputTokenLimit": gateway.core.max_context,
+                "outputTokenLimit": session.policy.max_tokens,
+                "supportedGenerationMethods": list(ACTIONS),
+            }
+
+        async def list_models(request: Request) -> Response:
+            try:
+                return JSONResponse({"models": [await model_info(request, "policy")]})
+            except GatewayError as err:
+                return self.error_response(err)
+
+        async def get_model(request: Request) -> Response:
+            model = request.path_params["model"]
+            try:
+                if ":" in model:  # an action asked for with GET
+                    raise GatewayError(404, f"Unknown endpoint GET {request.url.path}.", kind="not_found")
+                return JSONResponse(await model_info(request, model))
+            except GatewayError as err:
+                return self.error_response(err)
+
+        async def unknown(request: Request) -> Response:
+            message = f"Unknown endpoint {request.method} {request.url.path}."
+            return self.error_response(GatewayError(404, message, kind="not_found"))
+
+        handlers = (generate_content, stream_generate_content, count_tokens)
+        routes: list[BaseRoute] = []
+        for version in ("/v1beta", "/v1"):
+            for action, handler in zip(ACTIONS, handlers, strict=True):
+                path = f"{prefix}{version}/models/{{model:path}}:{action}"
+                routes.append(Route(path, handler, methods=["POST"]))
+        return [
+            *routes,
+            Route(prefix + "/v1beta/models", list_models, methods=["GET"]),
+            Route(prefix + "/v1beta/models/{model:path}", get_model, methods=["GET"]),
+            # Everything else under /v1beta answers in this dialect's shape.
+            Route(prefix + "/v1beta/{rest:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+        ]
+
+    def owns_path(self, path: str) -> bool:
+        return re.match(r"(?:/r/[^/]+)?/(?:v1beta/|v1/models/.*:)", path) is not None
+
+    def error_response(self, err: GatewayError) -> Response:
+        return JSONResponse(error_body(err), status_code=_http_status(err), headers=err.headers())

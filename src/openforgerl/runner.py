@@ -1,0 +1,377 @@
+"""The runner: many rollouts, each a harness solving a task in its own sandbox, scored by a verifier.
+
+For every (task, sample) it opens a gateway rollout (its own key and base URL), starts a sandbox
+with the task's files, runs the harness inside it against the gateway, runs the verifier on the
+final state, and closes the gateway rollout with the reward. Concurrency is bounded; infrastructure
+failures (a sandbox that does not start) are retried and never counted as the policy's failure; a
+harness that crashes or times out is a policy outcome, scored by `on_failure`:
+"zero" (reward 0), "drop" (excluded from training and scores) or "verify" (the verifier judges the
+partial state). Every state change is written to the run's SQLite file before the runner moves on,
+so a restarted run skips finished rollouts and redoes only the interrupted ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import enum
+import io
+import json
+import sqlite3
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
+from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
+from openforgerl.tasks.verify import (
+    VerifierError,
+    VerifierResult,
+    parse_verifier_output,
+    run_python_verifier,
+    verifier_env,
+    write_files,
+)
+
+OnFailure = Literal["zero", "drop", "verify"]
+VERIFIER_DIR = "/tmp/openforge-verifier"  # outside the work dir: the agent never sees it
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"  # scored (reward set)
+    DROPPED = "dropped"  # a policy failure excluded by on_failure="drop"
+    INFRA_FAILED = "infra_failed"  # the infrastructure failed every retry: not the policy's fault
+
+
+@dataclass
+class RolloutResult:
+    task_id: str
+    sample: int
+    status: Status
+    reward: float | None = None
+    outcome: str = ""  # how the harness ended: ok | crash | timeout | killed:oom | killed:pids | ...
+    gateway_rollout_id: str = ""
+    attempts: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.task_id}#{self.sample}"
+
+
+class RunState:
+    """The run's durable record of every rollout's state (SQLite, one row per task sample)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS rollouts (key TEXT PRIMARY KEY, task_id TEXT, sample INTEGER,"
+            " status TEXT, reward REAL, outcome TEXT, gateway_rollout_id TEXT, attempts INTEGER,"
+            " details TEXT, seconds TEXT, updated REAL)"
+        )
+
+    def save(self, r: RolloutResult) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO rollouts VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    r.key,
+                    r.task_id,
+                    r.sample,
+                    r.status.value,
+                    r.reward,
+                    r.outcome,
+                    r.gateway_rollout_id,
+                    r.attempts,
+                    json.dumps(r.details),
+                    json.dumps(r.seconds),
+                    time.time(),
+                ),
+            )
+
+    def load(self) -> dict[str, RolloutResult]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT task_id, sample, status, reward, outcome, gateway_rollout_id, attempts, details,"
+                " seconds FROM rollouts"
+            ).fetchall()
+        out = {}
+        for task_id, sample, status, reward, outcome, gw_id, attempts, details, seconds in rows:
+            r = RolloutResult(task_id, sample, Status(status), reward, outcome, gw_id, attempts)
+            r.details, r.seconds = json.loads(details), json.loads(seconds)
+            out[r.key] = r
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+@dataclass(frozen=True)
+class HarnessLaunch:
+    """How to run a harness inside a sandbox: argv and environment, given the rollout's endpoint."""
+
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # extra files to put in the sandbox first
+
+
+# A harness factory: (task, inside base_url, api_key, sandbox) -> launch.
+HarnessFactory = Callable[[Task, str, str, Sandbox], HarnessLaunch]
+
+
+def react_harness(max_turns: int = 12, max_tokens: int | None = None) -> HarnessFactory:
+    """The built-in ReAct harness (openforgerl.react_agent), run with this interpreter."""
+
+    def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
+        turns = int(task.harness_options.get("max_turns", max_turns))
+        argv = [sys.executable, "-m", "openforgerl.react_agent", "--base-url", base_url, "--api-key", api_key]
+        argv += ["--task", "@/tmp/openforge-task.txt", "--max-turns", str(turns)]
+        if max_tokens:
+            argv += ["--max-tokens", str(max_tokens)]
+        return HarnessLaunch(argv, {}, {"/tmp/openforge-task.txt": task.instruction})
+
+    return launch
+
+
+def python_binds() -> list[str]:
+    """What the sandbox must see read-only for this interpreter and package to run inside it."""
+    import openforgerl
+
+    paths = {sys.prefix, sys.base_prefix, str(Path(openforgerl.__file__).parent.parent)}
+    return sorted(p for p in paths if not p.startswith(("/usr", "/bin", "/lib")))
+
+
+@dataclass
+class RunnerConfig:
+    gateway_url: str  # as the host reaches it
+    admin_token: str
+    run_id: str
+    state_path: Path
+    concurrency: int = 4
+    infra_retries: int = 2
+    on_failure: OnFailure = "zero"
+    sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
+    limits: Limits = field(default_factory=lambda: Limits(memory_bytes=2 << 30, cpus=1.0, pids=512))
+    ro_binds: list[str] = field(default_factory=python_binds)
+
+
+class Runner:
+    def __init__(self, cfg: RunnerConfig, backend: SandboxBackend, harness: HarnessFactory) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.harness = harness
+        self.state = RunState(cfg.state_path)
+        self._admin = httpx.AsyncClient(
+            base_url=cfg.gateway_url, headers={"authorization": f"Bearer {cfg.admin_token}"}, timeout=60
+        )
+
+    async def close(self) -> None:
+        await self._admin.aclose()
+        self.state.close()
+
+    async def run(
+        self,
+        tasks: Sequence[Task],
+        samples: int = 1,
+        on_done: Callable[[RolloutResult], None] | None = None,
+    ) -> list[RolloutResult]:
+        """Run every task `samples` times; finished rollouts of an earlier run are not redone."""
+        previous = self.state.load()
+        results: dict[str, RolloutResult] = {}
+        todo: list[tuple[Task, int]] = []
+        for task in tasks:
+            for k in range(samples):
+                r = previous.get(f"{task.id}#{k}")
+                if r is not None and r.status in (Status.DONE, Status.DROPPED):
+                    results[r.key] = r
+                    if on_done:
+                        on_done(r)
+                else:
+                    if r is not None and r.status == Status.RUNNING and r.gateway_rollout_id:
+                        # Interrupted by a crash or Ctrl-C: close its gateway rollout, run it again.
+                        interrupted = {"interrupted": True}
+                        await self._close_gateway(r.gateway_rollout_id, None, interrupted, "cancelled")
+                    todo.append((task, k))
+        gate = asyncio.Semaphore(self.cfg.concurrency)
+
+        async def one(task: Task, k: int) -> None:
+            async with gate:
+                r = await self._rollout(task, k)
+            results[r.key] = r
+            if on_done:
+                on_done(r)
+
+        async with asyncio.TaskGroup() as group:
+            for task, k in todo:
+                group.create_task(one(task, k))
+        order = {f"{t.id}#{k}": i for i, (t, k) in enumerate((t, k) for t in tasks for k in range(samples))}
+        return sorted(results.values(), key=lambda r: order.get(r.key, 0))
+
+    async def _rollout(self, task: Task, sample: int) -> RolloutResult:
+        r = RolloutResult(task.id, sample, Status.RUNNING)
+        errors: list[str] = []
+        for attempt in range(1 + self.cfg.infra_retries):
+            r.attempts = attempt + 1
+            try:
+                return await self._attempt(task, r)
+            except SandboxStartError as exc:
+                errors.append(f"attempt {attempt + 1}: {exc}")
+                if r.gateway_rollout_id:
+                    await self._close_gateway(r.gateway_rollout_id, None, {"infra_error": str(exc)}, "failed")
+                r.gateway_rollout_id = ""
+                await asyncio.sleep(min(2**attempt, 10) * 0.1)
+        r.status, r.outcome, r.details = Status.INFRA_FAILED, "infra", {"infra_errors": errors}
+        self.state.save(r)
+        return r
+
+    async def _attempt(self, task: Task, r: RolloutResult) -> RolloutResult:
+        t0 = time.monotonic()
+        resp = await self._admin.post(
+            "/admin/rollouts",
+            json={
+                "run_id": self.cfg.run_id,
+                "task_id": task.id,
+                "metadata": {"sample": r.sample, "attempt": r.attempts},
+                "sampling": self.cfg.sampling,
+            },
+        )
+        resp.raise_for_status()
+        gw = resp.json()
+        r.gateway_rollout_id = gw["rollout_id"]
+        r.status = Status.RUNNING
+        self.state.save(r)
+        sandbox = self.backend.create(self._spec(task), f"{self.cfg.run_id}-{gw['rollout_id']}"[:64])
+        try:
+            await sandbox.start()
+            r.seconds["start"] = time.monotonic() - t0
+            await self._setup(task, sandbox)
+            inside_url = sandbox.gateway_url or self.cfg.gateway_url
+            base_url = f"{inside_url.rstrip('/')}/r/{gw['rollout_id']}"
+            launch = self.harness(task, base_url, gw["api_key"], sandbox)
+            for path, content in launch.files.items():
+                await sandbox.put_file(path, content)
+            t1 = time.monotonic()
+            ran = await sandbox.exec(launch.argv, env=launch.env, timeout=task.timeout)
+            r.seconds["harness"] = time.monotonic() - t1
+            r.outcome = _outcome(ran)
+            r.details["harness"] = {"exit_code": ran.exit_code, "tail": (ran.stdout + ran.stderr)[-2000:]}
+            if r.outcome != "ok" and self.cfg.on_failure == "drop":
+                r.status, r.reward = Status.DROPPED, None
+            elif r.outcome != "ok" and self.cfg.on_failure == "zero":
+                r.status, r.reward = Status.DONE, 0.0
+            else:
+                t2 = time.monotonic()
+                verdict = await self._verify(task, sandbox)
+                r.seconds["verify"] = time.monotonic() - t2
+                r.status, r.reward = Status.DONE, verdict.reward
+                r.details["verifier"] = verdict.details
+        except VerifierError as exc:
+            # A broken verifier is not the policy's fault either: no reward, reported as such.
+            r.status, r.reward, r.outcome = Status.INFRA_FAILED, None, "verifier_error"
+            r.details["verifier_error"] = str(exc)
+        finally:
+            await asyncio.shield(sandbox.stop())
+        r.seconds["total"] = time.monotonic() - t0
+        gw_status = "closed" if r.status == Status.DONE else "failed"
+        await self._close_gateway(r.gateway_rollout_id, r.reward, {"outcome": r.outcome}, gw_status)
+        self.state.save(r)
+        return r
+
+    def _spec(self, task: Task) -> SandboxSpec:
+        files: dict[str, str] = {}
+        if isinstance(task.files, Path):
+            with tempfile.TemporaryDirectory() as tmp:
+                write_files(task.files, Path(tmp))
+                for p in Path(tmp).rglob("*"):
+                    if p.is_file():
+                        files[str(p.relative_to(tmp))] = p.read_text(errors="replace")
+        else:
+            files = dict(task.files)
+        base = self.cfg.limits
+        res = task.resources
+        limits = Limits(
+            memory_bytes=int(res.memory) if res.memory else base.memory_bytes,
+            cpus=res.cpus or base.cpus,
+            pids=res.pids or base.pids,
+            wall_time_s=task.timeout + 300,
+        )
+        return SandboxSpec(
+            files=files,
+            limits=limits,
+            network="gateway",
+            gateway_url=self.cfg.gateway_url,
+            ro_binds=self.cfg.ro_binds,
+        )
+
+    async def _setup(self, task: Task, sandbox: Sandbox) -> None:
+        for command in task.setup:
+            done = await sandbox.exec(command, timeout=task.timeout)
+            if not done.ok:
+                # The task's own set-up failing is an environment fault, not the policy's.
+                raise SandboxStartError(f"setup {command!r} failed ({done.exit_code}): {done.stderr[-500:]}")
+
+    async def _verify(self, task: Task, sandbox: Sandbox) -> VerifierResult:
+        verifier = task.verifier
+        if isinstance(verifier, PythonVerifier):
+            with tempfile.TemporaryDirectory() as tmp:
+                await _copy_out(sandbox, Path(tmp))
+                return await asyncio.to_thread(run_python_verifier, verifier, Path(tmp))
+        assert isinstance(verifier, CommandVerifier)
+        if verifier.files is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                write_files(verifier.files, Path(tmp))
+                await sandbox.put_dir(tmp, VERIFIER_DIR)
+        done = await sandbox.exec(
+            verifier.command, env=verifier_env(task.id, VERIFIER_DIR), timeout=verifier.timeout
+        )
+        if done.timed_out:
+            raise VerifierError(f"the verifier ran over its timeout of {verifier.timeout} s")
+        return parse_verifier_output(done.stdout, done.exit_code, done.stderr)
+
+    async def _close_gateway(
+        self, rollout_id: str, reward: float | None, details: dict[str, Any], status: str
+    ) -> None:
+        body: dict[str, Any] = {"details": details, "status": status}
+        if reward is not None:
+            body["reward"] = reward
+        try:
+            await self._admin.post(f"/admin/rollouts/{rollout_id}/close", json=body)
+        except httpx.HTTPError:
+            pass  # the gateway is gone; the run state still has the result
+
+
+def _outcome(ran: ExecResult) -> str:
+    if ran.timed_out:
+        return "timeout"
+    if ran.killed_by:
+        return f"killed:{ran.killed_by}"
+    return "ok" if ran.exit_code == 0 else "crash"
+
+
+async def _copy_out(sandbox: Sandbox, dest: Path) -> None:
+    """Copy the work dir out of the sandbox (a tar stream made inside it) for a Python verifier.
+
+    Bounded by the sandbox's output cap (1 MiB of base64): Python verifiers are for small states;
+    larger ones belong in a command verifier that runs inside the sandbox.
+    """
+    done = await sandbox.exec(["sh", "-c", "tar -cf - . | base64 -w0"], timeout=120)
+    if not done.ok or done.stdout_truncated:
+        raise VerifierError(f"could not copy the work dir out of the sandbox: {done.stderr[-300:]}")
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(done.stdout)), mode="r:") as tar:
+        tar.extractall(dest, filter="data")
