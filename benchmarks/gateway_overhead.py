@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -38,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,13 +261,22 @@ class LoadGen:
             raise RuntimeError(f"the load generator died; log: {self.log}\n{self.log.read_text()[-3000:]}")
         return line
 
-    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def _send(self, obj: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(orjson.dumps(spec) + b"\n")
+        self.proc.stdin.write(orjson.dumps(obj) + b"\n")
         self.proc.stdin.flush()
-        result: dict[str, Any] = orjson.loads(self._readline())
-        if "fatal" in result:
-            raise RuntimeError(f"load generator: {result['fatal']}")
+        reply: dict[str, Any] = orjson.loads(self._readline())
+        if "fatal" in reply:
+            raise RuntimeError(f"load generator: {reply['fatal']}")
+        return reply
+
+    def run(self, spec: dict[str, Any], at_start: Callable[[], None] | None = None) -> dict[str, Any]:
+        """One phase; `at_start` runs after the untimed preparation, right before the clock starts."""
+        prepared = self._send(spec)
+        if at_start is not None:
+            at_start()
+        result = self._send({"cmd": "go"})
+        result["setup_calls"], result["setup_errors"] = prepared["setup_calls"], prepared["setup_errors"]
         return result
 
     def cpu_s(self) -> float:
@@ -298,6 +306,7 @@ class Stack:
     durability: str
     servers: dict[str, Server] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
+    crashes: list[dict[str, Any]] = field(default_factory=list)
 
     def start_fake(self) -> None:
         port = free_port()
@@ -345,10 +354,27 @@ class Stack:
         return Server(name, cmd, url + "/health", self.work / f"{name}.log"), url
 
     def start_gateway(self) -> None:
-        server, url = self.gateway_server("gateway", "gateway.db")
+        n = sum(1 for c in self.crashes if c["server"] == "gateway")
+        server, url = self.gateway_server("gateway", f"gateway-{n}.db" if n else "gateway.db")
         self.servers["gateway"] = server
         server.start()
         self.urls["gateway"] = url
+
+    def ensure_alive(self, name: str, where: str) -> None:
+        """Restart a proxy that died (LiteLLM segfaulted once under 512 streams): noted in the report."""
+        server = self.servers[name]
+        if server.proc is None or server.proc.poll() is None:
+            return
+        code = server.proc.returncode
+        log(f"  !! {name} died (exit {code}) before {where}; restarting it (log {server.log})")
+        self.crashes.append({"server": name, "exit_code": code, "before": where, "log": str(server.log)})
+        server.log.rename(server.log.with_suffix(f".crash{len(self.crashes)}.log"))
+        if name == "litellm":
+            self.start_litellm()
+        elif name == "gateway":
+            self.start_gateway()
+        else:
+            raise RuntimeError(f"the {name} died (exit {code}) before {where}")
 
     def start_litellm(self) -> None:
         port = free_port()
@@ -449,7 +475,6 @@ def summarize_phase(result: dict[str, Any], cpu: dict[str, float]) -> dict[str, 
         "ok": n_ok,
         "errors": len(samples) - n_ok,
         "error_kinds": result["errors"],
-        "timed_out": result["timed_out"],
         "p50_ms": pct(lat, 0.5),
         "p90_ms": pct(lat, 0.9),
         "p99_ms": pct(lat, 0.99),
@@ -483,12 +508,17 @@ def run_point(stack: Stack, gen: LoadGen, point: Point, plan: Plan) -> dict[str,
         order = PATHS[r % 3 :] + PATHS[: r % 3]
         this: dict[str, dict[str, Any]] = {}
         for path in order:
+            stack.ensure_alive("fake", f"{point.shape} c={point.load} round {r + 1} {path}")
+            if path != "direct":
+                stack.ensure_alive(path, f"{point.shape} c={point.load} round {r + 1} {path}")
             spec = phase_spec(stack, path, point, plan.turns)
             procs = {"client": gen.cpu_s, "fake": stack.servers["fake"].cpu_s}
             if path != "direct":
                 procs["proxy"] = stack.servers[path].cpu_s
-            before = {k: f() for k, f in procs.items()}
-            result = gen.run(spec)
+            before: dict[str, float] = {}
+            result = gen.run(
+                spec, lambda procs=procs, before=before: before.update({k: f() for k, f in procs.items()})
+            )
             cpu = {k: f() - before[k] for k, f in procs.items()}
             this[path] = s = summarize_phase(result, cpu)
             expected = point.expected_calls(plan.turns)
@@ -676,9 +706,9 @@ def memory_per_rollout(stack: Stack, gen: LoadGen, plan: Plan) -> dict[str, Any]
             duration_s=plan.memory_duration_s,
             conversations=plan.memory_rollouts,
         )
-        cpu0 = server.cpu_s()
-        result = gen.run(phase_spec(stack, "gateway", point, plan.turns))
-        cpu = server.cpu_s() - cpu0
+        cpu0: list[float] = []
+        result = gen.run(phase_spec(stack, "gateway", point, plan.turns), lambda: cpu0.append(server.cpu_s()))
+        cpu = server.cpu_s() - cpu0[0]
         time.sleep(0.5)
         after = server.rss()
         stats = httpx.get(url + "/admin/stats", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).json()
@@ -697,39 +727,18 @@ def memory_per_rollout(stack: Stack, gen: LoadGen, plan: Plan) -> dict[str, Any]
             "kb_per_rollout": rnd((after - before) / opened / 1024, 1),
             "calls_per_s": rnd(len(ok) / max(result["active_s"], 1e-9), 1),
             "gateway_cpu_ms_per_call": rnd(cpu * 1000 / max(len(ok), 1), 3),
-            "timed_out": result["timed_out"],
+            "complete": full == plan.memory_rollouts,
         }
     finally:
         server.stop()
 
 
 @contextlib.contextmanager
-def maybe_profile(enabled: bool, pid: int | None, out: Path) -> Iterator[None]:
-    """py-spy record of the gateway while the block runs (needs py-spy next to the bench python)."""
-    if not enabled or pid is None:
-        yield
-        return
-    pyspy = shutil.which("py-spy") or str(
-        Path(sys.argv[0]).resolve().parent.parent / ".venv-bench/bin/py-spy"
-    )
-    if not Path(pyspy).exists():
-        log("  --profile: py-spy not found (pip install py-spy into .venv-bench); not profiling")
-        yield
-        return
+def profiled(pyspy: Path, pid: int, out: Path) -> Iterator[None]:
+    """py-spy record (raw collapsed stacks, all threads) of a process while the block runs."""
+    cmd = [str(pyspy), "record", "--pid", str(pid), "--format", "raw", "--rate", "100", "--nonblocking"]
     proc = subprocess.Popen(
-        [
-            pyspy,
-            "record",
-            "--pid",
-            str(pid),
-            "--format",
-            "raw",
-            "--rate",
-            "200",
-            "--output",
-            str(out),
-            "--nonblocking",
-        ],
+        [*cmd, "--output", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -737,8 +746,45 @@ def maybe_profile(enabled: bool, pid: int | None, out: Path) -> Iterator[None]:
         yield
     finally:
         proc.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        try:
             proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def profile_summary(raw: Path, top: int = 25) -> dict[str, Any]:
+    """Inclusive and self shares of the frames in a py-spy raw profile (the gateway's own code first)."""
+    if not raw.exists():
+        return {"error": f"no profile written to {raw}"}
+    incl: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for fr in set(frames):
+            incl[fr] = incl.get(fr, 0) + n
+
+    def share(d: dict[str, int], keep: Callable[[str], bool]) -> list[tuple[str, float]]:
+        rows = sorted(((k, v) for k, v in d.items() if keep(k)), key=lambda kv: -kv[1])[:top]
+        return [(k, round(100 * v / max(total, 1), 1)) for k, v in rows]
+
+    return {
+        "samples": total,
+        "file": str(raw),
+        "self_pct": share(own, lambda k: True),
+        "inclusive_pct_openforgerl": share(incl, lambda k: "openforgerl" in k),
+        "inclusive_pct_libraries": share(
+            incl,
+            lambda k: any(x in k for x in ("httpx", "httpcore", "jinja2", "pydantic", "tokeniz", "sqlite")),
+        ),
+    }
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -800,7 +846,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"- memory per open rollout ({n} rollouts x {turns} turns): "
             f"{f(mem['kb_per_rollout'], 1)} KB ({rss})"
         )
-    out.append(f"- LiteLLM {report['litellm_version']}; run time {report['run_time_s']:.0f} s")
+    for c in report.get("server_crashes") or []:
+        out.append(f"- CRASH: {c['server']} exited with {c['exit_code']} before {c['before']} (restarted)")
+    la = report.get("load_average", {})
+    out.append(
+        f"- LiteLLM {report['litellm_version']}; run time {report['run_time_s']:.0f} s; machine load average "
+        f"{la.get('start')} at start, {la.get('end')} at the end ({report['machine']['cpus']} CPUs)"
+    )
     return "\n".join(out)
 
 
@@ -829,11 +881,16 @@ def main() -> None:
     ap.add_argument("--memory-rollouts", type=int, default=None, help="rollouts for the memory phase")
     ap.add_argument("--durability", choices=["full", "normal"], default="full", help="the gateway's store")
     ap.add_argument("--bench-venv", default=str(ROOT / ".venv-bench"), help="the venv with LiteLLM")
-    ap.add_argument("--profile", action="store_true", help="py-spy the gateway during the 512-client phases")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the gateway during the 512-client points (into the JSON)",
+    )
     ap.add_argument("--workdir", default=None, help="keep logs and stores here (default: a temp dir)")
     args = ap.parse_args()
 
     started = time.monotonic()
+    load_start = round(os.getloadavg()[0], 2)  # other work on the machine shows up here
     plan = quick_plan() if args.quick else full_plan()
     shapes, loads = set(args.shapes.split(",")), {int(x) for x in args.loads.split(",")}
     plan.points = [p for p in plan.points if p.shape.split("_")[0] in shapes and p.load in loads]
@@ -895,16 +952,22 @@ def main() -> None:
         stack.start_litellm()
         gen = LoadGen(bench_python, work / "loadgen.log")
         log("servers up: " + ", ".join(f"{k} {v}" for k, v in stack.urls.items()))
-        points = []
+        points: list[dict[str, Any]] = []
+        profiles: dict[str, Any] = {}
         for point in plan.points:
             log(f"point {point.shape} x {point.load} clients ({point.rounds} rounds)")
-            profile = args.profile and point.load >= 512
             gw = stack.servers["gateway"].proc
-            with maybe_profile(
-                profile, gw.pid if gw else None, work / f"profile-{point.shape}-{point.load}.txt"
-            ):
+            if args.profile and point.load >= 512 and gw is not None:
+                raw = work / f"profile-gateway-{point.shape}-{point.load}.txt"
+                with profiled(bench_venv / "bin" / "py-spy", gw.pid, raw):
+                    points.append(run_point(stack, gen, point, plan))
+                profiles[f"{point.shape}-{point.load}"] = profile_summary(raw)
+            else:
                 points.append(run_point(stack, gen, point, plan))
         report["points"] = points
+        report["server_crashes"] = stack.crashes
+        if profiles:
+            report["gateway_profiles"] = profiles
         report["turn_cost"] = turn_cost(points, plan.turns)
         report["foreign_connections"] = {k: s.foreign_connections() for k, s in stack.servers.items()}
         stack.servers.pop("gateway").stop()
@@ -920,6 +983,7 @@ def main() -> None:
             gen.close()
         stack.stop()
     report["run_time_s"] = round(time.monotonic() - started, 1)
+    report["load_average"] = {"start": load_start, "end": round(os.getloadavg()[0], 2)}
     report["client_bottleneck_note"] = (
         "client_cpu_util is the load generator's CPU time over the phase's wall time (1.0 = one core "
         "busy); near 1.0 the client, not the path, limits calls/s"

@@ -4,7 +4,10 @@ Runs in .venv-bench (aiohttp comes with LiteLLM there). The driver (gateway_over
 it over stdin/stdout, one JSON object a line: a phase to run in, the phase's samples out. It only
 ever connects to the URLs it is given (loopback addresses).
 
-A phase: `concurrency` streaming clients, each in a loop that is bounded in count and in time.
+Per phase the driver sends the spec, the load generator warms up and prepares (rollouts, history)
+and answers; the driver reads the servers' CPU counters and sends {"cmd": "go"}; the timed part
+runs and its samples come back. A phase: `concurrency` streaming clients, each in a loop that is
+bounded in count and in time.
 
 - shape "small": each client sends the small body `per_client` times.
 - shape "harness": the clients take conversations off a shared counter until `conversations` are
@@ -45,6 +48,7 @@ class Phase:
         self.t0 = 0.0
         self.prepared = 0
         self.ready = asyncio.Event()
+        self.tasks: list[asyncio.Future[None]] = []
 
     async def create_rollout(self) -> tuple[str, str]:
         """(chat completions URL, api key) of a new gateway rollout."""
@@ -145,35 +149,42 @@ class Phase:
                 return
             await self.call(url, key, self.payloads[turn - 1], turn)
 
-    async def run(self) -> dict[str, Any]:
+    async def prepare(self) -> dict[str, Any]:
+        """Warm-up, rollouts and (mid-conversation) history: everything before the clock starts."""
         n = self.spec["concurrency"]
         if self.spec.get("warmup", True):
             await self.warmup(n)
         self.prepared = 0
         shape = self.spec["shape"]
         if shape == "small":
-            tasks = [asyncio.ensure_future(self.small_client()) for _ in range(n)]
+            self.tasks = [asyncio.ensure_future(self.small_client()) for _ in range(n)]
         elif shape == "harness_mid":
             setup = asyncio.Semaphore(32)
-            tasks = [asyncio.ensure_future(self.harness_mid_client(i, setup)) for i in range(n)]
+            self.tasks = [asyncio.ensure_future(self.harness_mid_client(i, setup)) for i in range(n)]
         else:
             counter = [0]
-            tasks = [asyncio.ensure_future(self.harness_client(counter)) for _ in range(n)]
-        # Rollouts (and, mid-conversation, their history) are made before the clock starts.
+            self.tasks = [asyncio.ensure_future(self.harness_client(counter)) for _ in range(n)]
         setup_deadline = time.perf_counter() + 300
         while self.prepared < n and time.perf_counter() < setup_deadline:
-            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            failed = next((t for t in self.tasks if t.done() and t.exception() is not None), None)
             if failed is not None:
                 raise RuntimeError(f"a client failed during setup: {failed.exception()!r}")
             await asyncio.sleep(0.01)
         setup_samples = [s for s in self.samples if s[0] < 0]
-        setup_errors = sum(1 for s in setup_samples if not s[3])
         self.samples, self.errors = [], {}
+        return {
+            "prepared": self.prepared,
+            "setup_calls": len(setup_samples),
+            "setup_errors": sum(1 for s in setup_samples if not s[3]),
+        }
+
+    async def go(self) -> dict[str, Any]:
+        """The timed part: start every client at once and wait for them (bounded in time)."""
         cpu0, self.t0 = time.process_time(), time.perf_counter()
         self.deadline = self.t0 + self.spec["duration_s"]
         self.ready.set()
-        await asyncio.wait(tasks, timeout=self.spec["duration_s"] + 60)
-        for t in tasks:
+        await asyncio.wait(self.tasks, timeout=self.spec["duration_s"] + 60)
+        for t in self.tasks:
             t.cancel()
         wall = time.perf_counter() - self.t0
         cpu = time.process_time() - cpu0
@@ -184,9 +195,6 @@ class Phase:
             "wall_s": wall,
             "active_s": max(ends) if ends else wall,
             "client_cpu_s": cpu,
-            "timed_out": time.perf_counter() > self.deadline,
-            "setup_calls": len(setup_samples),
-            "setup_errors": setup_errors,
         }
 
     async def warmup(self, n: int) -> None:
@@ -200,6 +208,11 @@ class Phase:
         self.errors = {}
 
 
+def write(obj: dict[str, Any]) -> None:
+    sys.stdout.write(orjson.dumps(obj).decode() + "\n")
+    sys.stdout.flush()
+
+
 async def main() -> None:
     import uvloop  # noqa: F401  (installed with LiteLLM's proxy extra)
 
@@ -210,7 +223,7 @@ async def main() -> None:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=1 << 20)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        print(orjson.dumps({"ready": True}).decode(), flush=True)
+        write({"ready": True})
         while line := await reader.readline():
             spec = orjson.loads(line)
             if spec.get("cmd") == "quit":
@@ -222,11 +235,22 @@ async def main() -> None:
             spec.setdefault("per_client", 1_000_000)
             spec.setdefault("conversations", spec["concurrency"])
             try:
-                result = await Phase(session, spec, body_list[:turns]).run()
+                phase = Phase(session, spec, body_list[:turns])
+                reply = await phase.prepare()
+            except Exception as exc:
+                reply = {"fatal": f"{type(exc).__name__}: {exc}"}
+            write(reply)
+            if "fatal" in reply:
+                continue
+            # The driver reads the servers' CPU counters, then says go.
+            go = await reader.readline()
+            if orjson.loads(go or b"{}").get("cmd") != "go":
+                break
+            try:
+                result = await phase.go()
             except Exception as exc:
                 result = {"fatal": f"{type(exc).__name__}: {exc}"}
-            sys.stdout.write(orjson.dumps(result).decode() + "\n")
-            sys.stdout.flush()
+            write(result)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ The tests marked `vllm` start a real vLLM server (CPU build, `.venv-vllm`, built
   the same weights in this venv (tolerance LOGPROB_TOL);
 - finish reasons: length, stop string, stop token id, EOS (the EOS id is in completion_ids);
 - seeds reproduce, 8 concurrent requests, context-length handling, cancellation aborts the request;
-- load_weights swaps in a different checkpoint (outputs and policy_version change) and back.
+- load_weights swaps in a different checkpoint (outputs and policy_version change) and back;
+  a reload that changes a tied embedding is pinned as an expected failure (vLLM CPU limitation).
 Run them with `make test-vllm` (the default pytest run deselects the `vllm` marker).
 
 The server runs with `--logprobs-mode processed_logprobs`, so logprobs are of logits / temperature
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import shutil
 import signal
@@ -593,28 +593,51 @@ def test_cancellation_aborts_the_request(vllm_server: Server, prompt: list[int])
     print(f"vLLM freed the cancelled request {freed_s:.2f} s after the cancel, after {tokens:.0f} tokens")
 
 
-def eos_prone_checkpoint(src: Path, dst: Path, eos: list[int], prompt: list[int]) -> None:
-    """A clearly different checkpoint in which the model often ends its turn with an EOS id.
+def eos_prone_checkpoint(src: Path, dst: Path, eos_id: int, prompt: list[int]) -> float:
+    """A clearly different checkpoint whose model often ends its turn with `eos_id`; that probability.
 
-    Embedding dimension 0 is set to 1.0 for every token, so the final hidden state's dimension 0 is
-    large and has one sign; raising the EOS rows there raises their logits everywhere (embeddings are
-    tied). The raise is sized from the measured hidden state: P(eos[0]) about 0.3, P(eos[1]) about 0.15.
+    Only body weights change (the embedding is tied to the LM head, which vLLM's CPU backend does not
+    reload): the last layer's v_proj bias adds a constant to the residual stream pointing the final
+    hidden state at the EOS embedding, and the final norm's scale sharpens the logits until
+    P(eos_id | prompt) is about 0.35 under a teacher-forced forward.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    emb = model.get_input_embeddings().weight
-    vocab = emb.shape[0]
+    cfg = model.config
+    attn = model.model.layers[-1].self_attn
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        emb[:, 0] = 1.0
-        h0 = float(model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, :, 0].mean())
-        for eos_id, p in zip(eos, (0.3, 0.15), strict=False):
-            emb[eos_id, 0] += math.log(p * vocab / 0.55) / h0
+        norm = model.model.norm.weight
+        target = model.get_input_embeddings().weight[eos_id] / norm
+        # Attention adds o_proj(v_bias repeated over the query heads sharing each kv head) everywhere.
+        repeat = torch.zeros(n_heads * hd, n_kv * hd)
+        for h in range(n_heads):
+            kv = h // (n_heads // n_kv)
+            repeat[h * hd : (h + 1) * hd, kv * hd : (kv + 1) * hd] = torch.eye(hd)
+        bias = torch.linalg.lstsq(attn.o_proj.weight @ repeat, target[:, None]).solution[:, 0]
+        attn.v_proj.bias += 100.0 * bias / bias.norm()  # dominates the residual stream
+        base_norm = norm.clone()
+
+        def p_eos(scale: float) -> float:
+            norm.copy_(base_norm * scale)
+            return float(torch.softmax(model(ids).logits[0, -1], -1)[eos_id])
+
+        lo, hi = 1.0, 2.0
+        while p_eos(hi) < 0.35 and hi < 1e4:
+            lo, hi = hi, hi * 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if p_eos(mid) < 0.35 else (lo, mid)
+        p = p_eos(hi)
     model.save_pretrained(dst)
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.suffix == ".jinja":
             shutil.copy(f, dst / f.name)
+    return p
 
 
 @vllm
@@ -622,10 +645,11 @@ def test_load_weights_and_eos(
     vllm_server: Server, teacher: Teacher, prompt: list[int], work_dir: Path
 ) -> None:
     base_dir = vllm_server.model_dir
-    eos = eos_ids(base_dir)
+    eos = eos_ids(base_dir)[0]  # the tokenizer's EOS (vLLM reports stop_reason null for it)
     new_dir = work_dir / "eos-prone"
     new_dir.mkdir()
-    eos_prone_checkpoint(base_dir, new_dir, eos, prompt)
+    p_eos = eos_prone_checkpoint(base_dir, new_dir, eos, prompt)
+    assert 0.2 < p_eos < 0.6
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
 
     async def go(eng: VLLMEngine) -> dict[str, Any]:
@@ -644,22 +668,54 @@ def test_load_weights_and_eos(
     print(f"reload_weights + reset_prefix_cache took {out['reload_s']:.2f} s")
     assert out["version"] == 1 and out["greedy"].policy_version == 1
     # The new weights answer differently: EOS is the most likely first token.
-    assert out["greedy"].completion_ids == [eos[0]] != out["before"].completion_ids
-    assert (out["greedy"].finish_reason, out["greedy"].stop_reason) == ("stop", eos[0])
+    assert out["greedy"].completion_ids == [eos] != out["before"].completion_ids
+    assert (out["greedy"].finish_reason, out["greedy"].stop_reason) == ("stop", eos)
     teacher.check(new_dir, prompt, out["greedy"], 1.0)
-    # Sampled turns end on an EOS id; it is in completion_ids, with its logprob, and is the stop_reason.
+    # Sampled turns end on EOS; it is in completion_ids, with its logprob, and is the stop_reason.
     ended = [r for r in out["sampled"] if r.finish_reason == "stop"]
-    assert ended, "no sampled completion ended on EOS"
+    assert len(ended) >= 8, [r.finish_reason for r in out["sampled"]]
     for r in ended:
-        assert r.completion_ids[-1] in eos and r.stop_reason == r.completion_ids[-1]
-        assert not set(eos) & set(r.completion_ids[:-1])
+        assert r.completion_ids[-1] == eos == r.stop_reason
+        assert eos not in r.completion_ids[:-1]
         teacher.check(new_dir, prompt, r, 1.0)
-    # Both kinds of EOS: the tokenizer's (vLLM's stop_reason null) and generation_config's extra one.
-    assert {r.completion_ids[-1] for r in ended} == set(eos[:2])
+    for r in out["sampled"]:
+        if r.finish_reason == "length":
+            teacher.check(new_dir, prompt, r, 1.0)
     # Back to the original weights: the original greedy answer again, with the prefix cache reset.
     assert out["restored"] == 2 and out["after"].policy_version == 2
     assert out["after"].completion_ids == out["before"].completion_ids
     teacher.check(base_dir, prompt, out["after"], 1.0)
+
+
+@vllm
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM 0.32 CPU: reload_weights keeps a tied LM head's prepacked copy (the old weights)",
+)
+def test_reload_of_a_tied_embedding(
+    vllm_server: Server, teacher: Teacher, prompt: list[int], work_dir: Path
+) -> None:
+    """Pins the CPU backend's tied-LM-head limitation; when vLLM fixes it, this XPASSes and fails."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base_dir = vllm_server.model_dir
+    new_dir = work_dir / "new-embedding"
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    embedding: Any = model.get_input_embeddings()
+    with torch.no_grad():
+        embedding.weight.mul_(3.0)  # sharper logits everywhere (tied head)
+    model.save_pretrained(new_dir)
+
+    async def go(eng: VLLMEngine) -> GenerateResult:
+        await eng.load_weights(str(new_dir))
+        try:
+            return await eng.generate(prompt, SamplingParams(max_tokens=16, seed=4))
+        finally:
+            await eng.load_weights(str(base_dir))
+
+    r = run_engine(vllm_server.url, go)
+    teacher.check(new_dir, prompt, r, 1.0)
 
 
 @vllm

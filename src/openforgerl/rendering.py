@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from openforgerl.conversation import Message, Tool
+from openforgerl.jsonutil import dumps
 
 MAX_TIPS = 8  # tips kept per rollout: enough for retries and side requests, bounded memory
 
@@ -34,7 +35,7 @@ def canonical_arguments(arguments: dict[str, Any] | str) -> Any:
             arguments = orjson.loads(arguments)
         except orjson.JSONDecodeError:
             return arguments
-    return orjson.loads(orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS))
+    return orjson.loads(dumps(arguments, sort_keys=True))
 
 
 def message_key(m: Message) -> bytes:
@@ -50,11 +51,11 @@ def message_key(m: Message) -> bytes:
         payload = ("t", m.content)
     else:
         payload = (m.role, m.content, m.name)
-    return _digest(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS))
+    return _digest(dumps(payload, sort_keys=True))
 
 
 def tools_key(tools: Sequence[Tool]) -> bytes:
-    return _digest(orjson.dumps([t.template_dict() for t in tools], option=orjson.OPT_SORT_KEYS))
+    return _digest(dumps([t.template_dict() for t in tools], sort_keys=True))
 
 
 class ChatRenderer:

@@ -217,9 +217,16 @@ class Runner:
             if on_done:
                 on_done(r)
 
-        async with asyncio.TaskGroup() as group:
-            for task, k in todo:
-                group.create_task(one(task, k))
+        # gather, not TaskGroup: Python 3.11's TaskGroup can swallow the parent's cancellation
+        # (CPython gh-116720), and Ctrl-C must stop the run.
+        running = [asyncio.ensure_future(one(task, k)) for task, k in todo]
+        try:
+            await asyncio.gather(*running)
+        except BaseException:
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            raise
         order = {f"{t.id}#{k}": i for i, (t, k) in enumerate((t, k) for t in tasks for k in range(samples))}
         return sorted(results.values(), key=lambda r: order.get(r.key, 0))
 

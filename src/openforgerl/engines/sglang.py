@@ -10,6 +10,16 @@ that `output_ids` agrees.
 `meta_info.finish_reason` is {"type": "stop", "matched": id_or_string} (EOS, a stop token id or a stop
 string), {"type": "length", "length": n} or {"type": "abort", "message": ...}.
 
+Logprobs: by SGLang's sampler code, `output_token_logprobs` are log_softmax(logits / temperature)
+before top-k / top-p filtering, which is GenerateResult's contract; do not set
+SGLANG_RETURN_ORIGINAL_LOGPROB on the server (it switches to pre-temperature logprobs). The seed goes
+as `sampling_seed` (SGLang may honour it only with `--enable-deterministic-inference`).
+
+Context length: SGLang refuses (400), rather than clamps, a request whose prompt + max_new_tokens does
+not fit. This engine clamps max_new_tokens to the room the prompt leaves, like the built-in engine,
+learning the context length from the first such refusal when it was not given, and maps a prompt that
+leaves no room to ContextLengthExceeded.
+
 Errors: a refused or dropped connection, a timeout and any 5xx map to EngineUnavailable. SGLang answers
 a request it refuses (bad input, prompt too long) with 400, so a 500 is a server-side failure (its
 scheduler or detokenizer died, or a bug); the request itself was valid and retrying against a
@@ -170,7 +180,7 @@ class SGLangEngine:
         """One HTTP call; transport failures (refused, reset, timed out) mean the server is unavailable."""
         try:
             return await self._client.request(method, f"{self.base_url}{path}", **kw)
-        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+        except httpx.TransportError as e:  # refused, reset, timed out, broken protocol
             raise EngineUnavailable(f"SGLang at {self.base_url}: {type(e).__name__}: {e}") from e
 
     async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:

@@ -14,20 +14,31 @@ the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests
   and `include_stop_str_in_output` keeps the stop string in it); `stop_reason` is the string.
 - Closing the HTTP connection aborts the request in vLLM (it watches for the client's disconnect), so
   cancelling the task awaiting `generate` frees the server's slot at once.
-- Logprobs follow the server's `--logprobs-mode`; the default `raw_logprobs` is the model's own
-  distribution (temperature 1, before any processing). `processed_logprobs` applies temperature and
-  top-k/top-p. With temperature 1 and top_p 1 the two agree.
+- Logprobs follow the server's `--logprobs-mode`. The default `raw_logprobs` is the model's own
+  distribution whatever the temperature; `processed_logprobs` is of logits / temperature after top-k /
+  top-p truncation. Start vLLM with `--logprobs-mode processed_logprobs` to get GenerateResult's
+  contract (logits / temperature) at top_p = 1: measured within 1e-6 of a teacher-forced float32
+  forward at temperatures 0.7, 1 and 1.3. At temperature 1 and top_p 1 both modes agree.
 
 Weight updates (`load_weights`) use `POST /collective_rpc` with `reload_weights`, an endpoint vLLM only
-serves when started with `VLLM_SERVER_DEV_MODE=1`. A reload from a path that does not hold weights
-shut the whole vLLM 0.32 server down in a trial, so paths are checked locally first when the server is
-on this machine.
+serves when started with `VLLM_SERVER_DEV_MODE=1`, then `POST /reset_prefix_cache`. Found in trials:
+- A reload from a path that does not hold weights shut the whole vLLM 0.32 server down, so paths are
+  checked locally first when the server is on this machine.
+- On vLLM 0.32's CPU backend a model with tied embeddings (`tie_word_embeddings`, e.g. small Qwen2s)
+  keeps its OLD output head after a reload: the LM head computes with a prepacked copy of the
+  embedding made at startup, which the layer-wise reload does not refresh. The served model is then
+  new body + new input embedding + old LM head. Changes to other weights reload correctly. The engine
+  logs a warning for such reloads (when it can see the checkpoint's config.json). GPU builds were not
+  tried here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
+import json
+import logging
 import os
 import re
 import time
@@ -48,6 +59,8 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+
+logger = logging.getLogger(__name__)
 
 # vLLM's prompt-too-long refusals (renderer and serving checks): (prompt tokens, max context).
 _CONTEXT_ERRORS = (
@@ -168,6 +181,9 @@ class VLLMEngine:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self._version = policy_version
+        self._cpu_server: bool | None = None  # learnt from /server_info on the first reload
+        self._warned_tied_head = False
+        self._diagnosis: asyncio.Task[None] | None = None
         self._reloading = 0  # reloads in flight: a generation overlapping one is marked in `extra`
         self._reload_lock = asyncio.Lock()
 
@@ -214,7 +230,7 @@ class VLLMEngine:
         """One HTTP call; transport failures (refused, reset, timed out) mean the server is unavailable."""
         try:
             return await self._client.request(method, self._url(path), **kw)
-        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+        except httpx.TransportError as e:  # refused, reset, timed out, broken protocol
             raise EngineUnavailable(f"vLLM at {self.base_url}: {type(e).__name__}: {e}") from e
 
     async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -323,9 +339,44 @@ class VLLMEngine:
                     raise EngineError(f"vLLM failed to reload weights from {path!r}: {_error_message(r)}")
                 self._version += 1
                 await self._reset_prefix_cache()
+                self._check_tied_head(path)
             finally:
                 self._reloading -= 1
         return self._version
+
+    def _check_tied_head(self, path: str) -> None:
+        """Warn (once) when this reload hits vLLM CPU's stale tied LM head; see the module docstring."""
+        if not self.check_weights_path or self._warned_tied_head:
+            return  # a remote checkpoint's config cannot be read here
+        try:
+            tied = json.loads((Path(path) / "config.json").read_text()).get("tie_word_embeddings", False)
+        except (OSError, ValueError):
+            return
+        if not tied:
+            return
+        if self._cpu_server is not None:
+            self._warn_tied_head(path)
+        elif self._diagnosis is None or self._diagnosis.done():
+            # /server_info takes seconds (it gathers the server's environment): keep it off this path.
+            self._diagnosis = asyncio.create_task(self._probe_device_then_warn(path))
+
+    async def _probe_device_then_warn(self, path: str) -> None:
+        try:
+            r = await self._send("GET", "/server_info", timeout=30.0)
+        except EngineError:
+            return  # only a diagnosis
+        self._cpu_server = r.status_code == 200 and "device_config=cpu" in r.text
+        self._warn_tied_head(path)
+
+    def _warn_tied_head(self, path: str) -> None:
+        if self._cpu_server and not self._warned_tied_head:
+            self._warned_tied_head = True  # once per engine: every reload of this model is affected
+            logger.warning(
+                "vLLM at %s runs on CPU and %s ties its embeddings: vLLM's CPU backend keeps the old "
+                "LM head after reload_weights, so the served model mixes old and new weights",
+                self.base_url,
+                path,
+            )
 
     async def _reset_prefix_cache(self) -> None:
         # Running requests hold cache blocks and make a plain reset fail; `reset_running_requests`
@@ -345,5 +396,9 @@ class VLLMEngine:
         )
 
     async def close(self) -> None:
+        if self._diagnosis is not None and not self._diagnosis.done():
+            self._diagnosis.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._diagnosis
         if self._owns_client:
             await self._client.aclose()

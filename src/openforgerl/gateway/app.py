@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
@@ -42,7 +42,7 @@ class Gateway:
         self.max_body = max_body
 
     # -- helpers --------------------------------------------------------------------------
-    async def session(self, request: Request) -> Session:
+    async def session(self, request: HTTPConnection) -> Session:
         key = api_key_of(request)
         if key is None:
             raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'.")
@@ -83,10 +83,16 @@ class Gateway:
         first: bytes,
         events: Callable[[CallOutcome], Iterable[bytes]],
         on_error: Callable[[GatewayError], bytes],
+        keepalive: bytes = b": keep-alive\n\n",
     ) -> SSEResponse:
         """An SSE answer: `first` at once, keep-alives while generating, then `events(outcome)`."""
         return SSEResponse(
-            first, lambda: self.core.run(prepared), lambda: self.core.release(prepared), events, on_error
+            first,
+            lambda: self.core.run(prepared),
+            lambda: self.core.release(prepared),
+            events,
+            on_error,
+            keepalive,
         )
 
     def dialect_for(self, path: str) -> Dialect:

@@ -7,13 +7,13 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import orjson
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.errors import GatewayError
+from openforgerl.jsonutil import dumps
 
 KEEPALIVE_S = 10.0  # SSE comment while the engine works, so idle-timeouts in clients don't fire
 
@@ -22,10 +22,10 @@ class JSONResponse(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return content if isinstance(content, bytes) else orjson.dumps(content)
+        return content if isinstance(content, bytes) else dumps(content)
 
 
-def api_key_of(request: Request) -> str | None:
+def api_key_of(request: HTTPConnection) -> str | None:
     auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
@@ -93,6 +93,7 @@ class SSEResponse(Response):
         release: Callable[[], None],
         events: Callable[[CallOutcome], Iterable[bytes]],
         on_error: Callable[[GatewayError], bytes],
+        keepalive: bytes = b": keep-alive\n\n",
     ) -> None:
         # Like Starlette's StreamingResponse: no body attribute, so no content-length header.
         self.status_code = 200
@@ -100,6 +101,8 @@ class SSEResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
         self.first, self.work, self.events, self.on_error = first, work, events, on_error
         self.release = release
+        # Some clients parse every non-data line as JSON (google-genai): they get a blank line.
+        self.keepalive = keepalive
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -123,7 +126,7 @@ class SSEResponse(Response):
                         await task
                     return
                 if not done:
-                    await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+                    await send({"type": "http.response.body", "body": self.keepalive, "more_body": True})
         finally:
             watcher.cancel()
             if not task.done():

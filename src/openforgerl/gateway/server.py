@@ -90,6 +90,7 @@ def serve(cfg: GatewayConfig) -> None:
         access_log=False,
         timeout_keep_alive=75,
         backlog=4096,
+        ws_max_size=cfg.max_body,
     )
 
 
@@ -120,7 +121,15 @@ def serve_in_thread(cfg: GatewayConfig, engine: Engine | None = None) -> Iterato
     cfg.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
     app, gateway = build_app(cfg, engine)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, backlog=4096)
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            log_level="warning",
+            access_log=False,
+            backlog=4096,
+            ws_max_size=cfg.max_body,
+        )
     )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)

@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from openforgerl.jsonutil import dumps
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY,
@@ -329,9 +331,9 @@ class Store:
                     row.key_hash,
                     row.status,
                     row.reward,
-                    orjson.dumps(row.details),
-                    orjson.dumps(row.metadata),
-                    orjson.dumps(row.sampling),
+                    dumps(row.details),
+                    dumps(row.metadata),
+                    dumps(row.sampling),
                     row.created_at,
                     row.closed_at,
                 ),
@@ -358,7 +360,7 @@ class Store:
                 params.append(reward)
             if details is not None:
                 sets.append("details=?")
-                params.append(orjson.dumps(details))
+                params.append(dumps(details))
             if sets:
                 conn.execute(f"UPDATE rollouts SET {', '.join(sets)} WHERE id=?", (*params, rollout_id))
 
@@ -417,12 +419,12 @@ class Store:
                     floats_to_blob(call.completion_logprobs),
                     call.finish_reason,
                     call.stop_reason,
-                    orjson.dumps(call.sampling_requested),
-                    orjson.dumps(call.sampling_used),
-                    orjson.dumps(call.messages_delta),
-                    orjson.dumps(call.response),
-                    orjson.dumps(call.parse_errors),
-                    orjson.dumps(call.memory),
+                    dumps(call.sampling_requested),
+                    dumps(call.sampling_used),
+                    dumps(call.messages_delta),
+                    dumps(call.response),
+                    dumps(call.parse_errors),
+                    dumps(call.memory),
                     call.created_at,
                     call.latency_ms,
                 ),

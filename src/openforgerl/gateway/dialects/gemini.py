@@ -28,7 +28,6 @@ from urllib.parse import quote
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
-from starlette import types as asgi
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -36,7 +35,7 @@ from starlette.routing import BaseRoute, Route
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.errors import GatewayError, bad_request
-from openforgerl.gateway.http import JSONResponse, SSEResponse, read_body
+from openforgerl.gateway.http import JSONResponse, read_body
 
 if TYPE_CHECKING:
     from openforgerl.gateway.app import Gateway
@@ -366,10 +365,6 @@ _STATUS = {
     "unavailable": "UNAVAILABLE",
     "internal": "INTERNAL",
 }
-# The numbers of the core's context-length error, which is worded the OpenAI way.
-_CONTEXT_NUMBERS = re.compile(
-    r"maximum context length is (\d+) tokens\. However, your messages resulted in (\d+)"
-)
 
 
 def _http_status(err: GatewayError) -> int:
@@ -379,12 +374,10 @@ def _http_status(err: GatewayError) -> int:
 
 def error_body(err: GatewayError) -> bytes:
     message = err.message
-    numbers = _CONTEXT_NUMBERS.search(message) if err.kind == "context_length" else None
-    if numbers:  # Gemini's own words, which clients match on
-        prompt_tokens, limit = numbers[2], numbers[1]
-        message = (
-            f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({limit})."
-        )
+    tokens, limit = err.details.get("prompt_tokens"), err.details.get("max_context")
+    if err.kind == "context_length" and tokens is not None and limit is not None:
+        # Gemini's own words, which clients match on.
+        message = f"The input token count ({tokens}) exceeds the maximum number of tokens allowed ({limit})."
     details: list[dict[str, Any]] = []
     if err.param:
         details.append(
@@ -413,19 +406,6 @@ def stream_error(err: GatewayError) -> bytes:
     return error_body(err) + b"\n"
 
 
-class _SSE(SSEResponse):
-    """SSE whose keep-alives are blank lines, not comments: the google-genai Python SDK parses every
-    line that is not `data:` as JSON, so a comment line breaks its stream (the JS SDK skips both)."""
-
-    async def __call__(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
-        async def blank_keepalives(message: asgi.Message) -> None:
-            if message["type"] == "http.response.body" and message.get("body", b"").startswith(b":"):
-                message = {**message, "body": b"\r\n\r\n"}
-            await send(message)
-
-        await super().__call__(scope, receive, blank_keepalives)
-
-
 def _declined_header(declined: list[str]) -> dict[str, str]:
     return {DECLINED_TOOLS_HEADER: ", ".join(quote(k, safe="") for k in declined)} if declined else {}
 
@@ -450,13 +430,14 @@ class Gemini:
             p = parsed[0]
             headers = _declined_header(p.declined_tools)
             if streaming and request.query_params.get("alt") == "sse":
-                # Gateway.stream_call's SSEResponse, with blank-line keep-alives (see _SSE).
-                sse = _SSE(
+                sse = gateway.stream_call(
+                    prepared,
                     b"",
-                    lambda: gateway.core.run(prepared),
-                    lambda: gateway.core.release(prepared),
                     lambda out: [b"data: " + c + b"\r\n\r\n" for c in stream_chunks(out, p)],
                     stream_error,
+                    # Blank lines, not comments: the google-genai Python SDK parses every line that
+                    # is not `data:` as JSON, so a comment breaks its stream (the JS SDK skips both).
+                    keepalive=b"\r\n\r\n",
                 )
                 sse.headers.update(headers)
                 return sse
@@ -515,10 +496,6 @@ class Gemini:
             except GatewayError as err:
                 return self.error_response(err)
 
-        async def unknown(request: Request) -> Response:
-            message = f"Unknown endpoint {request.method} {request.url.path}."
-            return self.error_response(GatewayError(404, message, kind="not_found"))
-
         handlers = (generate_content, stream_generate_content, count_tokens)
         routes: list[BaseRoute] = []
         for version in ("/v1beta", "/v1"):
@@ -529,8 +506,6 @@ class Gemini:
             *routes,
             Route(prefix + "/v1beta/models", list_models, methods=["GET"]),
             Route(prefix + "/v1beta/models/{model:path}", get_model, methods=["GET"]),
-            # Everything else under /v1beta answers in this dialect's shape.
-            Route(prefix + "/v1beta/{rest:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
         ]
 
     def owns_path(self, path: str) -> bool:

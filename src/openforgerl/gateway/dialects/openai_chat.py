@@ -17,6 +17,7 @@ from openforgerl.conversation import Conversation, Message, SamplingRequest, Too
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.errors import GatewayError, bad_request
 from openforgerl.gateway.http import JSONResponse
+from openforgerl.jsonutil import dumps
 
 if TYPE_CHECKING:
     from openforgerl.gateway.app import Gateway
@@ -174,9 +175,7 @@ def _tool_calls(message: Message) -> list[dict[str, Any]]:
             "type": "function",
             "function": {
                 "name": c.name,
-                "arguments": c.arguments
-                if isinstance(c.arguments, str)
-                else orjson.dumps(c.arguments).decode(),
+                "arguments": c.arguments if isinstance(c.arguments, str) else dumps(c.arguments).decode(),
             },
         }
         for c in message.tool_calls
@@ -225,7 +224,7 @@ def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Any) -> 
     if req.return_token_ids:
         body["prompt_token_ids"] = out.prompt_ids
         choice["token_ids"] = out.completion_ids
-    return orjson.dumps(body)
+    return dumps(body)
 
 
 def stream_chunks(
@@ -245,7 +244,7 @@ def stream_chunks(
                 {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
             ],
         }
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        return b"data: " + dumps(body) + b"\n\n"
 
     if out.message.reasoning:
         yield chunk({"reasoning_content": out.message.reasoning})
@@ -277,7 +276,7 @@ def role_chunk(chunk_id: str, model: str) -> bytes:
         "model": model,
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
     }
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return b"data: " + dumps(body) + b"\n\n"
 
 
 _TYPES = {

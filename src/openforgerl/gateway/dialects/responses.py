@@ -782,13 +782,12 @@ class _Socket:
             reader.cancel()
 
     async def _read(self) -> None:
-        while True:
-            message = await self.websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                self.gone.set()
-                await self.frames.put(None)
-                return
-            await self.frames.put(message.get("text") or message.get("bytes") or b"")
+        try:
+            while (message := await self.websocket.receive())["type"] != "websocket.disconnect":
+                await self.frames.put(message.get("text") or message.get("bytes") or b"")
+        finally:  # however reading ends, the connection is over: stop generating, stop serving
+            self.gone.set()
+            self.frames.put_nowait(None)
 
     async def _send(self, events: list[dict[str, Any]]) -> None:
         for event in events:

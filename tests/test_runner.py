@@ -1,0 +1,198 @@
+"""The runner: rollouts in local sandboxes through the gateway, failures, retries and restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from openforgerl.evaluate import EvalOptions, run_eval
+from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig, Status, react_harness
+from openforgerl.sandbox import SandboxSpec, SandboxStartError
+from openforgerl.sandbox.local import LocalBackend
+from openforgerl.tasks import Task, load_tasks
+from openforgerl.tasks.suites.tools_tiny import oracle
+from tests.gateway_helpers import ScriptEngine, running_gateway
+
+TASKS = load_tasks("tools-tiny", split="heldout")[:3]
+
+
+def oracle_engine(model_dir: Path) -> ScriptEngine:
+    """A SCRIPTED policy for tests: the tools-tiny oracle's calls, then submit."""
+    engine = ScriptEngine(model_dir)
+
+    def step(prompt: list[int]) -> str:
+        text = engine.tokenizer.decode(prompt)
+        task = next(t for t in TASKS if t.instruction in text)
+        solution = oracle(task)
+        done = text.count("<tool_response>")
+        if done < len(solution.calls):
+            return solution.calls[done].text()
+        answer = json.dumps({"name": "submit", "arguments": {"answer": solution.final_answer}})
+        return f"<tool_call>\n{answer}\n</tool_call>"
+
+    engine.script = step
+    return engine
+
+
+def config(gw: Any, tmp_path: Path, **kw: Any) -> RunnerConfig:
+    return RunnerConfig(
+        gateway_url=gw.url,
+        admin_token=gw.gateway.admin_token,
+        run_id="test",
+        state_path=tmp_path / "runner.db",
+        **kw,
+    )
+
+
+def shell_harness(command: str) -> Any:
+    def launch(task: Task, base_url: str, api_key: str, sandbox: Any) -> HarnessLaunch:
+        return HarnessLaunch(["sh", "-c", command], {})
+
+    return launch
+
+
+def test_eval_with_the_oracle_policy_scores_every_task(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = oracle_engine(tiny_model_dir)
+    opts = EvalOptions(
+        tasks="tools-tiny",
+        split="heldout",
+        limit=3,
+        k=2,
+        model=str(tiny_model_dir),
+        out=tmp_path,
+        progress=False,
+    )
+    report = run_eval(opts, engine)
+    assert report["status"] == {"done": 6}
+    assert report["summary"]["pass@k"]["2"]["estimate"] == 1.0
+    assert report["summary"]["pass^k"]["2"]["estimate"] == 1.0
+    # One merged sequence per rollout: the ReAct loop extends its conversation every turn.
+    training = report["tokens"]["training"]
+    assert training["samples"] == 6 and training["tokens_merged"] < training["tokens_per_call"]
+    assert "pass@2" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("command", "on_failure", "status", "outcome", "reward"),
+    [
+        ("exit 3", "zero", Status.DONE, "crash", 0.0),
+        ("sleep 60", "zero", Status.DONE, "timeout", 0.0),
+        ("exit 3", "drop", Status.DROPPED, "crash", None),
+        # The verifier judges the partial state: the right answer was written before the crash.
+        ('for f in *.txt; do cp "$f" answer.txt; done; exit 3', "verify", Status.DONE, "crash", None),
+    ],
+)
+def test_policy_failures_are_scored_by_the_configured_policy(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    command: str,
+    on_failure: Any,
+    status: Status,
+    outcome: str,
+    reward: Any,
+) -> None:
+    copy_task = next(t for t in load_tasks("tools-tiny", split="train") if t.metadata["family"] == "copy")
+    task = copy_task.model_copy(update={"timeout": 2.0})
+    with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
+        runner = Runner(config(gw, tmp_path, on_failure=on_failure), LocalBackend(), shell_harness(command))
+
+        async def go() -> Any:
+            try:
+                return await runner.run([task])
+            finally:
+                await runner.close()
+
+        [r] = asyncio.run(go())
+        row = httpx.get(f"{gw.url}/admin/rollouts/{r.gateway_rollout_id}", headers=gw.admin_headers).json()
+    assert (r.status, r.outcome) == (status, outcome)
+    if on_failure == "verify":
+        assert r.reward == 1.0
+    else:
+        assert r.reward == reward
+    assert row["status"] == ("closed" if status == Status.DONE else "failed")
+
+
+class FlakyBackend(LocalBackend):
+    """Fails to start the first sandbox (an infrastructure fault), then works."""
+
+    failures = 1
+
+    def create(self, spec: SandboxSpec, name: str) -> Any:
+        sandbox = super().create(spec, name)
+        if FlakyBackend.failures > 0:
+            FlakyBackend.failures -= 1
+
+            async def broken_start() -> None:
+                raise SandboxStartError("injected: the sandbox did not come up")
+
+            sandbox.start = broken_start  # type: ignore[method-assign]
+        return sandbox
+
+
+def test_infrastructure_failures_are_retried_not_counted(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = oracle_engine(tiny_model_dir)
+    with running_gateway(tiny_model_dir, tmp_path, engine) as gw:
+        runner = Runner(config(gw, tmp_path), FlakyBackend(), react_harness())
+
+        async def go() -> Any:
+            try:
+                return await runner.run(TASKS[:1])
+            finally:
+                await runner.close()
+
+        [r] = asyncio.run(go())
+        failed = httpx.get(f"{gw.url}/admin/rollouts?status=failed", headers=gw.admin_headers).json()
+    assert r.status == Status.DONE and r.reward == 1.0 and r.attempts == 2
+    assert len(failed["rollouts"]) == 1  # the broken attempt's gateway rollout, closed as failed
+
+
+def test_restart_resumes_without_redoing_finished_rollouts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = oracle_engine(tiny_model_dir)
+    with running_gateway(tiny_model_dir, tmp_path, engine) as gw:
+
+        async def run_once() -> Any:
+            runner = Runner(config(gw, tmp_path, concurrency=2), LocalBackend(), react_harness())
+            try:
+                return await runner.run(TASKS, samples=1)
+            finally:
+                await runner.close()
+
+        first = asyncio.run(run_once())
+        calls_before = len(engine.prompts)
+        # As if the runner had been killed while the last rollout ran: its state says running.
+        with sqlite3.connect(tmp_path / "runner.db") as db:
+            db.execute("UPDATE rollouts SET status='running' WHERE key=?", (first[-1].key,))
+        second = asyncio.run(run_once())
+        listed = httpx.get(f"{gw.url}/admin/rollouts?run_id=test", headers=gw.admin_headers).json()[
+            "rollouts"
+        ]
+    assert [r.status for r in second] == [Status.DONE] * 3
+    assert [r.gateway_rollout_id for r in second[:2]] == [r.gateway_rollout_id for r in first[:2]]
+    assert second[-1].gateway_rollout_id != first[-1].gateway_rollout_id  # only the interrupted one re-ran
+    assert len(engine.prompts) - calls_before == len(oracle(TASKS[-1]).calls) + 1
+    assert sorted(r["status"] for r in listed) == ["cancelled", "closed", "closed", "closed"]
+
+
+def test_cancellation_leaves_no_sandbox_behind(tiny_model_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "sandboxes"
+    state.mkdir()
+    with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
+        backend = LocalBackend(state_dir=state)
+        runner = Runner(config(gw, tmp_path, concurrency=3), backend, shell_harness("sleep 60"))
+
+        async def go() -> None:
+            task = asyncio.ensure_future(runner.run([t.model_copy(update={"timeout": 120}) for t in TASKS]))
+            await asyncio.sleep(3)
+            task.cancel()  # what Ctrl-C does to the running event loop
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await runner.close()
+
+        asyncio.run(go())
+    assert not any(state.iterdir())  # every sandbox's directory is gone
