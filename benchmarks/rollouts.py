@@ -1,0 +1,156 @@
+"""Rollout throughput and where the time goes (issue: rollouts at scale on one machine).
+
+Measures, in one run:
+1. sandbox start-to-ready latency, bwrap vs plain subprocess (median of N);
+2. rollouts per minute at concurrency 1, 8 and 32: the built-in ReAct harness on `tools-tiny` in
+   local sandboxes, through an embedded gateway whose engine is a SCRIPTED fast policy playing the
+   tools-tiny oracle (no model time, so what remains is the runner, sandboxes, harness and gateway);
+3. the split of a rollout's wall time: gateway session, sandbox start, harness (the agent process,
+   which includes its model calls), verifier, stop/close — and the runner's own overhead (everything
+   that is neither the harness nor the verifier) as a share of the rollout's wall time.
+
+    .venv/bin/python benchmarks/rollouts.py [--quick] [--out benchmarks/results/rollouts.json]
+
+Prints JSON (machine-readable) and a Markdown table. Medians, since this machine is noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.modelkit import cached_model
+from openforgerl.runner import Runner, RunnerConfig, Status, react_harness
+from openforgerl.sandbox import SandboxSpec
+from openforgerl.sandbox.local import LocalBackend
+from openforgerl.tasks import Task, load_tasks
+from openforgerl.tasks.suites.tools_tiny import oracle
+from openforgerl.testing.scripted_engine import ScriptedEngine, ScriptRequest
+
+
+def oracle_policy(model_dir: Path, tasks: list[Task]) -> ScriptedEngine:
+    """A SCRIPTED engine playing the tools-tiny oracle: read, write, submit (benchmarks only)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    by_instruction = {t.instruction: t for t in tasks}
+
+    def step(req: ScriptRequest) -> list[int]:
+        text = tok.decode(req.prompt_ids)
+        task = next(t for i, t in by_instruction.items() if i in text)
+        solution = oracle(task)
+        done = text.count("<tool_response>")
+        if done < len(solution.calls):
+            reply = solution.calls[done].text()
+        else:
+            reply = '<tool_call>\n{"name": "submit", "arguments": {"answer": "done"}}\n</tool_call>'
+        return [*tok.encode(reply, add_special_tokens=False), end]
+
+    return ScriptedEngine(script=step, eos_token_id=end)
+
+
+async def start_latency(backend: LocalBackend, n: int, network: bool, gateway: str) -> float:
+    times = []
+    for i in range(n):
+        spec = SandboxSpec(network="gateway", gateway_url=gateway) if network else SandboxSpec()
+        sandbox = backend.create(spec, f"bench-{i}")
+        t0 = time.perf_counter()
+        await sandbox.start()
+        times.append(time.perf_counter() - t0)
+        await sandbox.stop()
+    return statistics.median(times) * 1000
+
+
+async def throughput(cfg: RunnerConfig, tasks: list[Task], backend: LocalBackend) -> dict[str, Any]:
+    runner = Runner(cfg, backend, react_harness(max_turns=8))
+    t0 = time.perf_counter()
+    try:
+        results = await runner.run(tasks)
+    finally:
+        await runner.close()
+    wall = time.perf_counter() - t0
+    done = [r for r in results if r.status == Status.DONE]
+    phases: dict[str, float] = {}
+    for key in ("start", "harness", "verify", "total"):
+        values = [r.seconds.get(key, 0.0) for r in done]
+        phases[key] = statistics.median(values) if values else 0.0
+    overheads = [
+        (r.seconds["total"] - r.seconds.get("harness", 0.0) - r.seconds.get("verify", 0.0))
+        / r.seconds["total"]
+        for r in done
+        if r.seconds.get("total")
+    ]
+    return {
+        "concurrency": cfg.concurrency,
+        "rollouts": len(results),
+        "succeeded": sum(1 for r in done if r.reward == 1.0),
+        "wall_s": round(wall, 2),
+        "rollouts_per_min": round(60 * len(results) / wall, 1),
+        "median_s": {k: round(v, 3) for k, v in phases.items()},
+        "runner_overhead_share_median": round(statistics.median(overheads), 4) if overheads else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller counts: a smoke run of about a minute")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    levels = [1, 4] if args.quick else [1, 8, 32]
+    starts = 5 if args.quick else 20
+    model = cached_model("tiny", 0)
+    # The scripted policy recognises a task by its instruction: keep tasks whose instruction is unique.
+    tasks = list({t.instruction: t for t in load_tasks("tools-tiny", split="train")}.values())
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = oracle_policy(model, tasks)
+        cfg = GatewayConfig(model=str(model), port=0, store=f"{tmp}/gw.db", max_tokens=128)
+        with serve_in_thread(cfg, engine) as gw:
+            report: dict[str, Any] = {"sandbox_start_ms_median": {}, "throughput": []}
+            for name, backend in (("bwrap", LocalBackend(bwrap=True)), ("plain", LocalBackend(bwrap=False))):
+                report["sandbox_start_ms_median"][name] = round(
+                    asyncio.run(start_latency(backend, starts, False, gw.url)), 1
+                )
+                report["sandbox_start_ms_median"][f"{name}+gateway"] = round(
+                    asyncio.run(start_latency(backend, starts, True, gw.url)), 1
+                )
+            for level in levels:
+                n = max(4, level * (2 if args.quick else 3))
+                run_cfg = RunnerConfig(
+                    gateway_url=gw.url,
+                    admin_token=gw.gateway.admin_token,
+                    run_id=f"bench-c{level}",
+                    state_path=Path(tmp) / f"runner-c{level}.db",
+                    concurrency=level,
+                )
+                chosen = tasks[:n]
+                report["throughput"].append(asyncio.run(throughput(run_cfg, chosen, LocalBackend())))
+                print(json.dumps(report["throughput"][-1]), file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    print(
+        "\n| concurrency | rollouts | ok | rollouts/min | median total s | harness s | start s | overhead |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for t in report["throughput"]:
+        m = t["median_s"]
+        print(
+            f"| {t['concurrency']} | {t['rollouts']} | {t['succeeded']} | {t['rollouts_per_min']} "
+            f"| {m['total']} | {m['harness']} | {m['start']} "
+            f"| {100 * (t['runner_overhead_share_median'] or 0):.1f}% |"
+        )
+    print("\nsandbox start-to-ready, median ms:", report["sandbox_start_ms_median"])
+
+
+if __name__ == "__main__":
+    main()
