@@ -51,7 +51,7 @@ def config(gw: Any, tmp_path: Path, **kw: Any) -> RunnerConfig:
 
 
 def shell_harness(command: str) -> Any:
-    def launch(task: Task, base_url: str, api_key: str, sandbox: Any) -> HarnessLaunch:
+    async def launch(task: Task, base_url: str, api_key: str, sandbox: Any) -> HarnessLaunch:
         return HarnessLaunch(["sh", "-c", command], {})
 
     return launch

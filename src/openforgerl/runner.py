@@ -23,13 +23,14 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
+from openforgerl.harnesses.base import Harness
 from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
 from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
 from openforgerl.tasks.verify import (
@@ -132,13 +133,13 @@ class HarnessLaunch:
 
 
 # A harness factory: (task, inside base_url, api_key, sandbox) -> launch.
-HarnessFactory = Callable[[Task, str, str, Sandbox], HarnessLaunch]
+HarnessFactory = Callable[[Task, str, str, Sandbox], Awaitable[HarnessLaunch]]
 
 
 def react_harness(max_turns: int = 12, max_tokens: int | None = None) -> HarnessFactory:
     """The built-in ReAct harness (openforgerl.react_agent), run with this interpreter."""
 
-    def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
+    async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         turns = int(task.harness_options.get("max_turns", max_turns))
         argv = [sys.executable, "-m", "openforgerl.react_agent", "--base-url", base_url, "--api-key", api_key]
         argv += ["--task", "@/tmp/openforge-task.txt", "--max-turns", str(turns)]
@@ -147,6 +148,38 @@ def react_harness(max_turns: int = 12, max_tokens: int | None = None) -> Harness
         return HarnessLaunch(argv, {}, {"/tmp/openforge-task.txt": task.instruction})
 
     return launch
+
+
+def cli_harness(harness: Harness, model: str = "policy") -> HarnessFactory:
+    """A real agent CLI (see openforgerl.harnesses) inside the sandbox.
+
+    The adapter writes its config files into a scratch HOME on the host; they are copied into the
+    sandbox's own HOME, and host paths in the environment are rewritten to the inside ones. The
+    harness's install folder must be visible inside (RunnerConfig.ro_binds).
+    """
+
+    async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
+        probe = await sandbox.exec(["sh", "-c", 'printf %s "$HOME"'], timeout=30)
+        home = probe.stdout.strip() or "/tmp"
+        return await asyncio.to_thread(
+            _prepare_cli, harness, task, base_url, api_key, model, home, sandbox.workdir
+        )
+
+    return launch
+
+
+def _prepare_cli(
+    harness: Harness, task: Task, base_url: str, api_key: str, model: str, home: str, workdir: str
+) -> HarnessLaunch:
+    with tempfile.TemporaryDirectory(prefix="openforge-home-") as scratch:
+        env = harness.prepare(Path(scratch), Path(workdir), base_url, api_key, model)
+        files = {
+            f"{home}/{p.relative_to(scratch)}": p.read_text(errors="replace")
+            for p in Path(scratch).rglob("*")
+            if p.is_file()
+        }
+        env = {k: v.replace(scratch, home) for k, v in env.items()}
+    return HarnessLaunch(harness.command(task.instruction), env, files)
 
 
 def python_binds() -> list[str]:
@@ -270,7 +303,7 @@ class Runner:
             await self._setup(task, sandbox)
             inside_url = sandbox.gateway_url or self.cfg.gateway_url
             base_url = f"{inside_url.rstrip('/')}/r/{gw['rollout_id']}"
-            launch = self.harness(task, base_url, gw["api_key"], sandbox)
+            launch = await self.harness(task, base_url, gw["api_key"], sandbox)
             for path, content in launch.files.items():
                 await sandbox.put_file(path, content)
             t1 = time.monotonic()
