@@ -304,3 +304,28 @@ def test_side_requests_are_flagged(tiny_model_dir: Path, tmp_path: Path) -> None
     assert calls[1]["side_request"] == ""
     assert "structured output" in calls[2]["side_request"]
     assert calls[2]["sampling_requested"]["response_format"]["type"] == "json_schema"
+    # This engine cannot constrain decoding; the record says the format was asked, not enforced.
+    assert calls[2]["sampling_used"]["response_format_honoured"] is False
+
+
+def test_response_format_reaches_engines_that_can_honour_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = ScriptEngine(tiny_model_dir)
+    engine.supports_response_format = True  # type: ignore[attr-defined]
+    seen: list[Any] = []
+    original = engine.generate
+
+    async def generate(prompt_ids: list[int], sampling: Any) -> Any:
+        seen.append(sampling.response_format)
+        return await original(prompt_ids, sampling)
+
+    engine.generate = generate  # type: ignore[method-assign]
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}}
+    with running_gateway(tiny_model_dir, tmp_path, engine) as gw:
+        rollout = new_rollout(gw)
+        client_for(rollout).chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        [call] = calls_of(gw, rollout["rollout_id"])
+    assert seen == [fmt] and call["sampling_used"]["response_format_honoured"] is True

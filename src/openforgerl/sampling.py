@@ -38,6 +38,8 @@ class SamplingPolicy:
         prompt_tokens: int,
         engine_max_context: int,
         stop_token_ids: tuple[int, ...],
+        response_format: dict[str, Any] | None = None,
+        structured_outputs: bool = False,
     ) -> tuple[SamplingParams, dict[str, Any]]:
         """The parameters to sample with, and a record of them and of what was overridden.
 
@@ -68,6 +70,7 @@ class SamplingPolicy:
             stop=tuple(req.stop),
             stop_token_ids=stop_token_ids,
             seed=req.seed,
+            response_format=response_format if structured_outputs else None,
         )
         used = {
             "temperature": temperature,
@@ -77,5 +80,6 @@ class SamplingPolicy:
             "seed": req.seed,
             "max_context": max_context,
             "overridden": overridden,
+            "response_format_honoured": bool(response_format) and structured_outputs,
         }
         return params, used

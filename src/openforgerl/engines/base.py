@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -18,6 +18,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # A structured-output request (OpenAI `response_format` shape), for engines that can constrain
+    # decoding to it; the others ignore it and the record says it was not honoured.
+    response_format: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(slots=True)

@@ -148,6 +148,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    supports_response_format = True
 
     def __init__(
         self,
@@ -275,6 +276,8 @@ class VLLMEngine:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if sampling.response_format is not None:
+            body["response_format"] = sampling.response_format  # vLLM's structured outputs
         body.update(self.extra_body)
 
         version, reloading = self._version, self._reloading

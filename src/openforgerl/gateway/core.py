@@ -213,7 +213,13 @@ class GatewayCore:
         engine_max = min(self.max_context, getattr(self.engine, "max_context", self.max_context))
         try:
             params, used = session.policy.resolve(
-                conv.sampling, prompt_tokens, engine_max, self.renderer.stop_token_ids
+                conv.sampling,
+                prompt_tokens,
+                engine_max,
+                self.renderer.stop_token_ids,
+                # "text" asks for nothing; a JSON object or schema is constrained where possible.
+                conv.response_format if (conv.response_format or {}).get("type") != "text" else None,
+                getattr(self.engine, "supports_response_format", False),
             )
         except ValueError as exc:
             raise context_length_exceeded(prompt_tokens, int(exc.args[0])) from exc
