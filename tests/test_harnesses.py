@@ -13,7 +13,7 @@ import itertools
 import json
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,9 @@ from tests.gateway_helpers import calls_of, new_rollout, running_gateway
 MODEL = "openforge-policy"
 TASK = "Write the text forge-ok into a file named result.txt in the current directory, then check it."
 RUN_TIMEOUT = 180.0
-# Harness prompts are large (Claude Code: a long system prompt and a dozen tools), and the tiny
-# model's tokenizer is not frugal; the scripted engine does not care how long the prompt is.
-MAX_CONTEXT = 262144
+# Harness prompts are large: 11-22 K tokens of the tiny model's tokenizer (Claude Code's system prompt
+# and a dozen tools, Qwen Code's 14 tools); the scripted engine does not care how long they are.
+MAX_CONTEXT = 131072
 
 
 # -- a request log around the gateway app: the raw evidence when a harness fails ---------------------
@@ -188,22 +188,21 @@ def shell_commands(calls: list[dict[str, Any]]) -> list[str]:
 # -- the cases -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    id: str
-    make: Callable[[], Harness]
+    name: str  # a key of HARNESSES
     # Whether the main conversation's calls extend one branch. OpenClaw moves a trailing context
     # message to the end every turn, so each of its calls starts a branch.
     extends: bool = True
 
 
 CASES = [
-    Case("qwen-code", lambda: get("qwen-code")),
-    Case("opencode", lambda: get("opencode")),
-    Case("mini-swe-agent", lambda: get("mini-swe-agent")),
-    Case("openclaw", lambda: get("openclaw"), extends=False),
-    Case("pi", lambda: get("pi")),
-    Case("claude-code", lambda: get("claude-code")),
-    Case("codex", lambda: get("codex")),
-    Case("gemini-cli", lambda: get("gemini-cli")),
+    Case("qwen-code"),
+    Case("opencode"),
+    Case("mini-swe-agent"),
+    Case("openclaw", extends=False),
+    Case("pi"),
+    Case("claude-code"),
+    Case("codex"),
+    Case("gemini-cli"),
 ]
 
 
@@ -229,8 +228,15 @@ def retry_delays(gw: Gateway, rollout_id: str) -> list[float]:
     ]
 
 
-def drive(gw: Gateway, harness: Harness, tmp_path: Path, faults: list[int]) -> tuple[str, Branches]:
-    """One task through one harness (rollout id, branches); asserts success, the file and the steps."""
+@dataclass
+class Outcome:
+    rollout_id: str
+    stats: Branches
+    env: dict[str, str]  # the harness's environment, for a resumed run in the same HOME and work dir
+
+
+def drive(gw: Gateway, harness: Harness, tmp_path: Path, faults: list[int]) -> Outcome:
+    """One task through one harness; asserts success, the file and the policy's steps."""
     rollout = new_rollout(gw.running, task_id=harness.name)
     rid = rollout["rollout_id"]
     if faults:
@@ -268,15 +274,15 @@ def drive(gw: Gateway, harness: Harness, tmp_path: Path, faults: list[int]) -> t
     assert (workdir / "result.txt").read_text() == "forge-ok", context
     commands = shell_commands([c for c in calls if c["status"] == "ok"])
     assert "printf 'forge-ok' > result.txt" in commands and "cat result.txt" in commands, context
-    return rid, stats
+    return Outcome(rid, stats, env)
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_harness_completes_the_task(case: Case, gateway: Gateway, tmp_path: Path) -> None:
-    harness = case.make()
+    harness = get(case.name)
     usable(harness, gateway)
-    _, stats = drive(gateway, harness, tmp_path, faults=[])
+    stats = drive(gateway, harness, tmp_path, faults=[]).stats
     if case.extends:
         # The write, the read and the final answer: one branch, each call extending the last.
         assert len(stats.main_calls) >= 3 and stats.main_branches == 1, stats
@@ -285,19 +291,43 @@ def test_harness_completes_the_task(case: Case, gateway: Gateway, tmp_path: Path
 
 
 @pytest.mark.harness
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_harness_survives_a_429_and_a_500(case: Case, gateway: Gateway, tmp_path: Path) -> None:
-    harness = case.make()
+    harness = get(case.name)
     usable(harness, gateway)
-    rid, _ = drive(gateway, harness, tmp_path, faults=[429, 500])
+    rid = drive(gateway, harness, tmp_path, faults=[429, 500]).rollout_id
     assert fault_statuses(gateway, rid)[:2] == [429, 500]
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_harness_resumes_its_session(case: Case, gateway: Gateway, tmp_path: Path) -> None:
+    harness = get(case.name)
+    usable(harness, gateway)
+    if not harness.can_resume:
+        pytest.skip(f"{harness.name} cannot resume a session")
+    first = drive(gateway, harness, tmp_path, faults=[])
+    argv = harness.command("Check result.txt once more.", resume=True)
+    result = run(argv, cwd=tmp_path / "work", env=first.env, timeout=RUN_TIMEOUT)
+    calls = calls_of(gateway.running, first.rollout_id)
+    new = [c for c in calls[first.stats.calls :] if c["status"] == "ok"]
+    print(
+        f"RESUME {harness.name} exit={result.returncode} seconds={result.seconds:.1f} calls={len(new)} "
+        f"extending_the_first_run={sum(1 for c in new if c['branch_reason'] == '')} "
+        f"branch_reasons={sorted({c['branch_reason'] for c in new if c['branch_reason']})}"
+    )
+    context = f"exit {result.returncode}\nstdout: {result.stdout[-3000:]}\nstderr: {result.stderr[-3000:]}"
+    assert harness.succeeded(result, tmp_path / "home"), context
+    # The resumed history already holds both tool results, so the policy answers at once.
+    assert new and any(c["response"].get("content", "").startswith("Done") for c in new), context
 
 
 @pytest.mark.harness
 def test_codex_over_websocket(gateway: Gateway, tmp_path: Path) -> None:
     harness = Codex(websocket=True)
     usable(harness, gateway)
-    rid, stats = drive(gateway, harness, tmp_path, faults=[])
+    outcome = drive(gateway, harness, tmp_path, faults=[])
+    rid, stats = outcome.rollout_id, outcome.stats
     exchanges = gateway.log.of(rid)
     sockets = [ex for ex in exchanges if ex.kind == "websocket"]
     evidence = "\n".join(ex.describe() for ex in exchanges)
