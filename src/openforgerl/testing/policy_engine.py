@@ -18,7 +18,7 @@ with the real tokenizer and end with the turn-end token, as the tiny model would
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,7 +136,12 @@ class ScriptedPolicyEngine:
     name = "scripted-policy"
 
     def __init__(
-        self, model_dir: str | Path, *, filename: str = "result.txt", content: str = "forge-ok"
+        self,
+        model_dir: str | Path,
+        *,
+        filename: str = "result.txt",
+        content: str = "forge-ok",
+        commands: Sequence[str] | None = None,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         end_id = self.tokenizer.convert_tokens_to_ids(TURN_END)
@@ -144,6 +149,15 @@ class ScriptedPolicyEngine:
         self.end_id = end_id
         self.filename = filename
         self.content = content
+        # Shell commands to run instead of write-then-read (e.g. a task's reference solution).
+        self.commands = (
+            list(commands)
+            if commands is not None
+            else [
+                f"printf '{content}' > {filename}",
+                f"cat {filename}",
+            ]
+        )
         self.prompts: list[str] = []
         self._version = 0
 
@@ -172,10 +186,8 @@ class ScriptedPolicyEngine:
         done = prompt.count(TOOL_RESPONSE)
         if shell is None:
             return f"I have no shell tool, so I cannot write {self.filename}."
-        if done == 0:
-            return shell.call(f"printf '{self.content}' > {self.filename}")
-        if done == 1:
-            return shell.call(f"cat {self.filename}")
+        if done < len(self.commands):
+            return shell.call(self.commands[done])
         if SUBMIT_MARKER in prompt:
             return shell.call(f"echo {SUBMIT_MARKER}")
         return f"Done: {self.filename} contains {self.content}."
