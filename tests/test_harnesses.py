@@ -33,6 +33,7 @@ from openforgerl.testing.policy_engine import (
     rendered_tools,
     shell_tool,
 )
+from openforgerl.trajectory import calls_from_json, token_stats
 from tests.gateway_helpers import calls_of, new_rollout, running_gateway
 
 MODEL = "openforge-policy"
@@ -253,6 +254,7 @@ def drive(gw: Gateway, harness: Harness, tmp_path: Path, faults: list[int]) -> O
     result = run(harness.command(TASK), cwd=workdir, env=env, timeout=RUN_TIMEOUT)
     calls = calls_of(gw.running, rid)
     stats = branches_of(calls)
+    tokens = token_stats(calls_from_json({"calls": calls}))
     evidence = "\n".join(ex.describe() for ex in gw.log.of(rid)[-6:])
     context = (
         f"{harness.name}: exit {result.returncode} after {result.seconds:.1f}s\n"
@@ -265,7 +267,8 @@ def drive(gw: Gateway, harness: Harness, tmp_path: Path, faults: list[int]) -> O
         f"exit={result.returncode} seconds={result.seconds:.1f} calls={stats.calls} "
         f"branches={stats.branches} main_branches={stats.main_branches} "
         f"extended={stats.extended}/{stats.calls} ({stats.share:.0%}) side={stats.side} "
-        f"http_errors={fault_statuses(gw, rid)} retry_delays_s={retry_delays(gw, rid)}"
+        f"http_errors={fault_statuses(gw, rid)} retry_delays_s={retry_delays(gw, rid)} "
+        f"training_tokens merged={tokens.tokens_merged} per_call={tokens.tokens_per_call}"
     )
     assert not result.timed_out, context
     assert harness.succeeded(result, home), context
