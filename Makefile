@@ -90,3 +90,45 @@ HARNESS_CACHE ?= $(HOME)/.cache/openforgerl/harnesses
 test-harnesses: $(STAMP)
 	$(BIN)/openforge harness install all --cache $(HARNESS_CACHE)
 	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py
+
+## The viewer (`openforge view`) in a real browser: tests/test_ui.py, marker `ui`. Debian's Chromium
+## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver
+## ships in the wheel; no browser download). Screenshots go to test-artifacts/ui/. About a minute.
+PLAYWRIGHT_VERSION := 1.65.2
+
+.PHONY: test-ui
+test-ui: $(STAMP)
+	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && apt-get install -y -qq chromium >/dev/null ; } || \
+	  { echo "Chromium is missing: as root, apt-get install chromium" >&2; exit 1; }
+	@$(BIN)/pip show playwright 2>/dev/null | grep -qx 'Version: $(PLAYWRIGHT_VERSION)' || \
+	  $(BIN)/pip install -q playwright==$(PLAYWRIGHT_VERSION)
+	$(BIN)/pytest -m ui -q tests/test_ui.py
+
+## The viewer's front end is plain ES modules with uPlot vendored from its npm tarball: this fetches
+## the tarball again, checks it against the recorded integrity and copies the same files
+## (src/openforgerl/ui/static/vendor/README.md).
+UPLOT_VERSION := 1.6.32
+UPLOT_INTEGRITY := sha512-KIMVnG68zvu5XXUbC4LQEPnhwOxBuLyW1AHtpm6IKTXImkbLgkMy+jabjLgSLMasNuGGzQm/ep3tOkyTxpiQIw==
+UI_VENDOR := src/openforgerl/ui/static/vendor/uplot
+
+.PHONY: ui-vendor
+ui-vendor:
+	tmp=$$(mktemp -d) && cd $$tmp && npm pack --silent uplot@$(UPLOT_VERSION) >/dev/null && \
+	  got=$$($(PY) -c 'import base64, hashlib, sys; \
+	    print("sha512-" + base64.b64encode(hashlib.sha512(open(sys.argv[1], "rb").read()).digest()).decode())' \
+	    uplot-$(UPLOT_VERSION).tgz) && \
+	  { [ "$$got" = "$(UPLOT_INTEGRITY)" ] || { echo "uplot tarball integrity mismatch: $$got" >&2; exit 1; }; } && \
+	  tar -xzf uplot-$(UPLOT_VERSION).tgz && cd $(CURDIR) && \
+	  cp $$tmp/package/dist/uPlot.esm.js $$tmp/package/dist/uPlot.min.css $$tmp/package/LICENSE $(UI_VENDOR)/ && \
+	  rm -rf $$tmp
+
+## The Docker backend against a real engine (tests/test_docker.py, skipped by `make test` when none is
+## reachable): Debian's dockerd started here with no bridge and no iptables, an image from debootstrap
+## (tests/docker_engine.sh; as root). About 3 minutes the first time (debootstrap), 30 s after.
+DOCKER_STATE ?= $(HOME)/.cache/openforgerl/docker
+DOCKER_TEST_IMAGE := openforgerl/debian-test:bookworm
+
+.PHONY: test-docker
+test-docker: $(STAMP)
+	sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_TEST_IMAGE) $(BIN)/pytest -q tests/test_docker.py

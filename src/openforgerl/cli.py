@@ -152,9 +152,58 @@ def _tool_version(argv: list[str]) -> str:
     return lines[0] if done.returncode == 0 and lines else f"unusable (exit {done.returncode})"
 
 
+def _backend_options(fn: Any) -> Any:
+    """Where a container backend is: options shared by `doctor --backend` and `gc`."""
+    options = [
+        click.option(
+            "--config",
+            "backend_config",
+            type=click.Path(dir_okay=False, exists=True),
+            default=None,
+            help="The Kubernetes backend's settings (YAML, as deploy/kubernetes/backend.yaml).",
+        ),
+        click.option("--namespace", default=None, help="Kubernetes namespace (default: the config's)."),
+        click.option(
+            "--kubeconfig", default=None, help="Kubeconfig file (default $KUBECONFIG, ~/.kube/config)."
+        ),
+        click.option("--context", default=None, help="Kubeconfig context."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _kubernetes_config(
+    backend_config: str | None, namespace: str | None, kubeconfig: str | None, context: str | None
+) -> Any:
+    import yaml
+
+    from openforgerl.sandbox.kubernetes import KubernetesConfig
+
+    settings: dict[str, Any] = {"run_id": "doctor", "image": "none"}
+    if backend_config:
+        settings |= yaml.safe_load(Path(backend_config).read_text()) or {}
+    overrides = {"namespace": namespace, "kubeconfig": kubeconfig, "context": context}
+    return KubernetesConfig.model_validate(settings | {k: v for k, v in overrides.items() if v is not None})
+
+
 @main.command()
 @click.option("--cache", type=click.Path(file_okay=False), default=None, help="Harness install folder.")
-def doctor(cache: str | None) -> None:
+@click.option(
+    "--backend",
+    type=click.Choice(["kubernetes", "docker"]),
+    default=None,
+    help="Also check this sandbox backend: access, permissions, and what is missing.",
+)
+@_backend_options
+def doctor(
+    cache: str | None,
+    backend: str | None,
+    backend_config: str | None,
+    namespace: str | None,
+    kubeconfig: str | None,
+    context: str | None,
+) -> None:
     """What this machine has for running rollouts: runtimes, sandboxing, installed harnesses."""
     import platform
     import shutil
@@ -174,6 +223,72 @@ def doctor(cache: str | None) -> None:
         found = adapter.check()
         state = found.installed if found.ok else f"missing: {found.missing}"
         click.echo(f"  {adapter.name:<16}{adapter.dialect:<18}{adapter.version:<12}{state}")
+    if backend is None:
+        return
+    if backend == "kubernetes":
+        from openforgerl.sandbox.kubernetes import KubernetesBackend
+
+        check = KubernetesBackend(_kubernetes_config(backend_config, namespace, kubeconfig, context)).check()
+    else:
+        from openforgerl.sandbox.docker import DockerBackend, DockerConfig
+
+        check = DockerBackend(DockerConfig(run_id="doctor", image="none")).check()
+    click.echo(f"backend  {check.backend}: isolation {check.isolation}, limits {check.limits}")
+    for what, detail in check.available.items():
+        click.echo(f"  ok       {what}: {detail}")
+    for what, detail in check.missing.items():
+        click.echo(f"  MISSING  {what}: {detail}")
+    if check.missing:
+        raise SystemExit(1)
+
+
+@main.command()
+@click.option("--backend", type=click.Choice(["kubernetes", "docker"]), required=True)
+@_backend_options
+@click.option("--run", "run_id", default=None, help="Remove this run's sandboxes, whatever its heartbeat.")
+@click.option(
+    "--older-than",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds without a heartbeat after which a run counts as crashed.",
+)
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+def gc(
+    backend: str,
+    backend_config: str | None,
+    namespace: str | None,
+    kubeconfig: str | None,
+    context: str | None,
+    run_id: str | None,
+    older_than: float,
+    dry_run: bool,
+) -> None:
+    """Remove the sandboxes that crashed runs left behind, found by their labels."""
+    import asyncio
+
+    if backend == "kubernetes":
+        from openforgerl.sandbox.kubernetes import collect_garbage
+
+        cfg = _kubernetes_config(backend_config, namespace, kubeconfig, context)
+        found = asyncio.run(
+            collect_garbage(
+                cfg.namespace,
+                kubeconfig=cfg.kubeconfig,
+                context=cfg.context,
+                run=run_id,
+                older_than_s=older_than,
+                dry_run=dry_run,
+            )
+        )
+    else:
+        from openforgerl.sandbox.docker import collect_garbage as docker_garbage
+
+        found = docker_garbage(run=run_id, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for item in found:
+        click.echo(f"{verb} {item.kind}/{item.name} (run {item.run})")
+    click.echo(f"{len(found)} {'objects' if len(found) != 1 else 'object'} {verb}")
 
 
 def _rollout_options(fn: Any) -> Any:
@@ -257,6 +372,193 @@ def rollout_cmd(n: int, **kw: Any) -> None:
     opts = _eval_options(kw, 1, n, f"runs/rollout-{kw['tasks']}-{kw['harness']}")
     summary = run_and_write_trajectories(opts)
     click.echo(f"{summary['rollouts']} rollouts, {summary['samples']} samples written to {summary['path']}")
+
+
+@main.command("view")
+@click.option("--store", type=click.Path(dir_okay=False), default=None, help="A gateway store (SQLite).")
+@click.option("--runs", type=click.Path(file_okay=False), default=None, help="A folder of run folders.")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False), default=None, help="Tokenizer dir.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8600, show_default=True, type=int)
+@click.option(
+    "--token", envvar="OPENFORGE_VIEW_TOKEN", default="", help="Asked of every request; needed off loopback."
+)
+@click.option(
+    "--create-indexes",
+    is_flag=True,
+    help="Open the stores read-write once to add the viewer's indexes (fast sorting at 100k+ rollouts).",
+)
+def view(
+    store: str | None,
+    runs: str | None,
+    model_dir: str | None,
+    host: str,
+    port: int,
+    token: str,
+    create_indexes: bool,
+) -> None:
+    """Browse runs, rollouts, turns and tokens in a web UI (read-only; loopback unless given a token)."""
+    from openforgerl.ui import ViewerConfig, build_app, is_loopback, serve
+
+    if store is None and runs is None:
+        runs = "runs"
+        if not Path(runs).is_dir():
+            raise click.UsageError("give --store PATH and/or --runs DIR (no ./runs folder here)")
+    if not is_loopback(host) and not token:
+        raise click.UsageError(f"--host {host} is not loopback: give --token (or OPENFORGE_VIEW_TOKEN)")
+    cfg = ViewerConfig(
+        store=Path(store) if store else None,
+        runs=Path(runs) if runs else None,
+        model=Path(model_dir) if model_dir else None,
+        token=token,
+        create_indexes=create_indexes,
+    )
+    try:
+        app = build_app(cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    click.echo(f"OpenForgeRL viewer on http://{shown}:{port}/" + (f"?token={token}" if token else ""))
+    serve(app, host, port)
+
+
+@main.command("train")
+@click.option("--tasks", default="tools-tiny", show_default=True, help="A suite or task file/dir.")
+@click.option(
+    "--model", "model_dir", default=None, help="Starting model dir (HF format); not needed with --resume."
+)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="The run folder.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the run in --out from its last checkpoint, with its options (--steps may extend).",
+)
+@click.option("--steps", type=int, default=None, help="Train until this step.  [default: 10]")
+@click.option("--group", type=int, default=4, show_default=True, help="Rollouts per task (G).")
+@click.option("--batch-tasks", type=int, default=4, show_default=True, help="Tasks per step.")
+@click.option("--lr", type=float, default=1e-5, show_default=True)
+@click.option("--algo", default="grpo", show_default=True, help="veRL advantage estimator (grpo, rloo, ...).")
+@click.option(
+    "--loss", default="vanilla", show_default=True, help="veRL policy loss (vanilla, gspo, cispo, ...)."
+)
+@click.option("--kl-coef", type=float, default=0.0, show_default=True, help="KL to the starting model.")
+@click.option(
+    "--tis",
+    type=click.Choice(["token", "sequence", "none"]),
+    default="token",
+    show_default=True,
+    help="Truncated importance sampling against the behaviour logprobs.",
+)
+@click.option("--tis-threshold", type=float, default=2.0, show_default=True)
+@click.option("--mini-batches", type=int, default=1, show_default=True, help="Optimizer updates per step.")
+@click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
+@click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Per model call.")
+@click.option("--max-turns", type=int, default=8, show_default=True)
+@click.option("--concurrency", type=int, default=8, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--eval-every", type=int, default=0, show_default=True, help="Held-out pass@1 every N steps.")
+@click.option("--eval-limit", type=int, default=None, help="Only the first N held-out tasks.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+def train_cmd(model_dir: str | None, out: str, resume: bool, steps: int | None, **kw: Any) -> None:
+    """RL: rollouts through an embedded gateway, a trainer step, new weights to the engine, repeat."""
+    from openforgerl.rl.algos import LossConfig
+    from openforgerl.rl.loop import TrainOptions, load_options, train
+    from openforgerl.rl.trainer import TrainerConfig
+
+    if resume:
+        opts = load_options(Path(out))
+        if steps is not None:
+            opts.steps = steps
+    else:
+        if model_dir is None:
+            raise click.BadParameter("give the starting model directory", param_hint="--model")
+        opts = TrainOptions(
+            model=model_dir,
+            out=Path(out),
+            tasks=kw["tasks"],
+            steps=10 if steps is None else steps,
+            group=kw["group"],
+            batch_tasks=kw["batch_tasks"],
+            max_tokens=kw["max_tokens"],
+            max_turns=kw["max_turns"],
+            concurrency=kw["concurrency"],
+            seed=kw["seed"],
+            eval_every=kw["eval_every"],
+            eval_limit=kw["eval_limit"],
+            trainer=TrainerConfig(
+                lr=kw["lr"],
+                estimator=kw["algo"],
+                mini_batches=kw["mini_batches"],
+                micro_batch_tokens=kw["micro_batch_tokens"],
+                drop_zero_variance=not kw["keep_zero_variance"],
+                seed=kw["seed"],
+                device=kw["device"],
+                loss=LossConfig(
+                    loss=kw["loss"],
+                    kl_coef=kw["kl_coef"],
+                    tis=None if kw["tis"] == "none" else kw["tis"],
+                    tis_threshold=kw["tis_threshold"],
+                ),
+            ),
+        )
+    try:
+        summary = train(opts, resume=resume)
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(
+        f"{summary['steps']} steps, policy version {summary['policy_version']}; "
+        f"checkpoint {summary['checkpoint']}; metrics {summary['metrics']}"
+    )
+
+
+@main.command("sft")
+@click.option(
+    "--data", type=click.Path(dir_okay=False, exists=True), default=None, help="JSONL: samples or chats."
+)
+@click.option(
+    "--teacher", type=click.Choice(["oracle"]), default=None, help="Make the data with this teacher."
+)
+@click.option("--tasks", default="tools-tiny", show_default=True, help="The teacher's tasks (train split).")
+@click.option("--limit", type=int, default=None, help="Only the first N tasks (with --teacher).")
+@click.option("--model", "model_dir", required=True, help="The student model dir (HF format).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the trained model goes.")
+@click.option("--epochs", type=int, default=3, show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--batch-size", type=int, default=16, show_default=True, help="Sequences per step.")
+@click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+def sft_cmd(
+    data: str | None,
+    teacher: str | None,
+    tasks: str,
+    limit: int | None,
+    model_dir: str,
+    out: str,
+    **kw: Any,
+) -> None:
+    """SFT on recorded trajectories (loss on the assistant's tokens only)."""
+    from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
+
+    if (data is None) == (teacher is None):
+        raise click.UsageError("give exactly one of --data FILE.jsonl or --teacher oracle")
+    out_dir = Path(out)
+    trainer = SFTTrainer(model_dir, SFTConfig(**kw))
+    if data is not None:
+        samples = load_sft_data(data, trainer.policy.tokenizer)
+    else:
+        if tasks != "tools-tiny":
+            raise click.BadParameter("the oracle teacher knows tools-tiny only", param_hint="--tasks")
+        samples = oracle_samples(model_dir, out_dir / "teacher", tasks=tasks, limit=limit)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_samples(samples, out_dir / "teacher" / "samples.jsonl")
+        click.echo(f"oracle teacher: {len(samples)} trajectories in {out_dir / 'teacher' / 'samples.jsonl'}")
+    summary = trainer.fit(samples, out_dir)
+    click.echo(
+        f"{summary['steps']} steps on {summary['samples']} samples: loss {summary['loss_before']:.3f} -> "
+        f"{summary['loss_after']:.3f}; model in {summary['model']}"
+    )
 
 
 if __name__ == "__main__":

@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> None:
             "(no re-tokenisation): one training sequence"
         )
         admin.post(f"/admin/rollouts/{rollout['rollout_id']}/close", json={"reward": 1.0})
-        print(f"done. Records are in {store}; inspect them with GET {url}/admin/rollouts/<id>/calls")
+        print(f"done. Records are in {store}.")
+        print(
+            f"See the recorded rollout: .venv/bin/openforge view --store {store} --model {model_dir}\n"
+            "  then open http://127.0.0.1:8600/#/run/demo"
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)

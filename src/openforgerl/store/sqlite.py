@@ -43,6 +43,12 @@ CREATE TABLE IF NOT EXISTS rollouts (
     closed_at REAL
 );
 CREATE INDEX IF NOT EXISTS rollouts_run ON rollouts(run_id, created_at);
+-- The viewer sorts and filters a run's rollouts by these (fast paging at 100,000 rollouts).
+CREATE INDEX IF NOT EXISTS rollouts_run_task ON rollouts(run_id, task_id);
+CREATE INDEX IF NOT EXISTS rollouts_run_status ON rollouts(run_id, status);
+CREATE INDEX IF NOT EXISTS rollouts_run_reward ON rollouts(run_id, reward);
+CREATE INDEX IF NOT EXISTS rollouts_run_seconds ON rollouts(run_id, closed_at - created_at);
+CREATE INDEX IF NOT EXISTS rollouts_run_outcome ON rollouts(run_id, json_extract(details, '$.outcome'));
 CREATE TABLE IF NOT EXISTS calls (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     rollout_id TEXT NOT NULL REFERENCES rollouts(id),

@@ -1,0 +1,447 @@
+"""The viewer's Starlette app: a read-only JSON API under /api and the static front end."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from openforgerl.jsonutil import dumps
+from openforgerl.store import CallRow
+from openforgerl.trajectory import side_request_reason
+from openforgerl.ui.runs import (
+    MetricsFile,
+    Run,
+    eval_reports,
+    metrics_after,
+    model_dir_of,
+    read_config,
+    report_headline,
+    run_folders,
+    run_status,
+    runner_progress,
+    runner_record,
+    trainer_tokens,
+)
+from openforgerl.ui.store import MAX_PAGE_SIZE, SORTS, Filters, StoreView, failure_reason
+from openforgerl.ui.tokens import token_view
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "openforge_view_token"
+DISCOVERY_TTL = 2.0  # seconds a run listing is reused: polls from several tabs share one scan
+NO_RUN_ID = "(no run id)"  # the run of rollouts opened without a run_id
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+CSP = "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'"
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class ViewerConfig:
+    store: Path | None = None  # a gateway store (its rollouts' run_ids become runs)
+    runs: Path | None = None  # a folder of run folders (or one run folder)
+    model: Path | None = None  # the tokenizer for every run (else each run's config names one)
+    token: str = ""  # required on every request when set
+    create_indexes: bool = False  # the only write: VIEWER_INDEXES on the stores, IF NOT EXISTS
+    poll_seconds: float = 3.0  # how often the front end polls an active run
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(dumps(data), status_code=status, media_type="application/json")
+
+
+class Viewer:
+    """Finds runs, holds one StoreView per store file, answers the API."""
+
+    def __init__(self, cfg: ViewerConfig) -> None:
+        if cfg.store is None and cfg.runs is None:
+            raise ValueError("give a store, a runs folder, or both")
+        if cfg.runs is not None and not cfg.runs.is_dir():
+            raise FileNotFoundError(f"no runs folder at {cfg.runs}")
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._stores: dict[Path, StoreView] = {}
+        self._metrics: dict[Path, MetricsFile] = {}
+        self._runs: dict[str, Run] = {}
+        self._runs_at = 0.0
+        if cfg.store is not None:
+            self.store_view(cfg.store)  # a wrong --store fails at start, not on the first page
+
+    def close(self) -> None:
+        for view in self._stores.values():
+            view.close()
+
+    def store_view(self, path: Path) -> StoreView:
+        key = path.resolve()
+        with self._lock:
+            if key not in self._stores:
+                self._stores[key] = StoreView(key, create_indexes=self.cfg.create_indexes)
+            return self._stores[key]
+
+    def metrics(self, folder: Path) -> MetricsFile:
+        key = (folder / "metrics.jsonl").resolve()
+        with self._lock:
+            return self._metrics.setdefault(key, MetricsFile(key))
+
+    def missing_indexes(self) -> dict[str, list[str]]:
+        with self._lock:
+            return {str(p): v.missing_indexes for p, v in self._stores.items() if v.missing_indexes}
+
+    # -- runs -------------------------------------------------------------------------------
+    def runs(self, fresh: bool = False) -> dict[str, Run]:
+        if fresh or time.monotonic() - self._runs_at > DISCOVERY_TTL:
+            self._runs, self._runs_at = self._discover(), time.monotonic()
+        return self._runs
+
+    def _discover(self) -> dict[str, Run]:
+        runs: dict[str, Run] = {}
+        main = self.cfg.store.resolve() if self.cfg.store else None
+        claimed: set[str] = set()  # run_ids of the main store that a folder stands for
+        for name, folder in run_folders(self.cfg.runs) if self.cfg.runs else []:
+            own = folder / "gateway.db"
+            if own.is_file() and own.resolve() != main:
+                ids = self.store_view(own).run_ids()
+                # An eval's run_id is its folder's name; a store with one run_id is that run's.
+                primary = folder.name if folder.name in ids or not ids else ids[0]
+                runs[name] = Run(name, primary, folder, own)
+                for rid in ids:
+                    if rid != primary:
+                        runs[f"{name}#{rid}"] = Run(f"{name}#{rid}", rid, folder, own)
+            else:
+                runs[name] = Run(name, folder.name, folder, main)
+                claimed.add(folder.name)
+        if main is not None:
+            for rid in self.store_view(main).run_ids():
+                name = rid or NO_RUN_ID
+                if rid not in claimed and name not in runs:
+                    runs[name] = Run(name, rid, None, main)
+        return runs
+
+    def run(self, request: Request) -> Run:
+        name = request.query_params.get("run")
+        if name is None:
+            raise ApiError(400, "the 'run' parameter is required", "run")
+        run = self.runs().get(name) or self.runs(fresh=True).get(name)
+        if run is None:
+            raise ApiError(404, f"no run named {name!r}", "run")
+        return run
+
+    def model_for(self, run: Run) -> Path | None:
+        if self.cfg.model is not None:
+            return self.cfg.model
+        return model_dir_of(read_config(run.folder)) if run.folder else None
+
+    def run_overview(self, run: Run, *, detail: bool) -> dict[str, Any]:
+        totals = self.store_view(run.store).run_totals(run.run_id) if run.store else None
+        progress = runner_progress(run.folder) if run.folder else {}
+        rows = self.metrics(run.folder).read() if run.folder else []
+        last = rows[-1] if rows else None
+        open_rollouts = totals["by_status"].get("open", 0) if totals else 0
+        out: dict[str, Any] = {
+            "name": run.name,
+            "run_id": run.run_id,
+            "folder": str(run.folder) if run.folder else None,
+            "store": str(run.store) if run.store else None,
+            "status": run_status(run.folder, progress, open_rollouts),
+            "progress": progress,
+            "totals": totals,
+            "steps": len({r["step"] for r in rows}),
+            "last_metrics": last,
+            "report": report_headline(run.folder) if run.folder else None,
+        }
+        if detail:
+            model = self.model_for(run)
+            out["config"] = read_config(run.folder) if run.folder else {}
+            out["model"] = str(model) if model else None
+            out["evals"] = eval_reports(run.folder) if run.folder else []
+            out["poll_seconds"] = self.cfg.poll_seconds
+        return out
+
+    def rollout(self, request: Request) -> tuple[Run, Any]:
+        run = self.run(request)
+        rollout_id = request.query_params.get("id")
+        if not rollout_id:
+            raise ApiError(400, "the 'id' parameter (a rollout id) is required", "id")
+        found = self.store_view(run.store).rollout(rollout_id) if run.store else None
+        if found is None or found[0].run_id != run.run_id:
+            raise ApiError(404, f"no rollout {rollout_id!r} in run {run.name!r}", "id")
+        return run, found
+
+
+# -- parameters ---------------------------------------------------------------------------------
+def _int(request: Request, name: str, default: int, low: int, high: int | None = None) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise ApiError(400, f"'{name}' must be an integer {bound}, got {raw!r}", name)
+    return value
+
+
+def _float(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ApiError(400, f"'{name}' must be a number, got {raw!r}", name) from None
+
+
+def _sort(request: Request) -> tuple[str, bool]:
+    raw = request.query_params.get("sort") or "created"
+    key = raw.removeprefix("-")
+    if key not in SORTS:
+        keys = ", ".join(SORTS)
+        raise ApiError(400, f"unknown sort key {raw!r}: one of {keys}, '-' in front for descending", "sort")
+    return key, raw.startswith("-")
+
+
+def _opt(request: Request, name: str) -> str | None:
+    return request.query_params.get(name) or None
+
+
+# -- endpoints ------------------------------------------------------------------------------------
+def build_app(cfg: ViewerConfig) -> Starlette:
+    viewer = Viewer(cfg)
+
+    def info(request: Request) -> Response:
+        viewer.runs()  # opens the stores, so that their missing indexes are known
+        return _json(
+            {
+                "read_only": not cfg.create_indexes,
+                "store": str(cfg.store) if cfg.store else None,
+                "runs_dir": str(cfg.runs) if cfg.runs else None,
+                "model": str(cfg.model) if cfg.model else None,
+                "missing_indexes": viewer.missing_indexes(),
+                "poll_seconds": cfg.poll_seconds,
+            }
+        )
+
+    def runs(request: Request) -> Response:
+        found = viewer.runs(fresh=True)
+        return _json({"runs": [viewer.run_overview(r, detail=False) for r in found.values()]})
+
+    def run(request: Request) -> Response:
+        return _json(viewer.run_overview(viewer.run(request), detail=True))
+
+    def metrics(request: Request) -> Response:
+        found = viewer.run(request)
+        after = _float(request, "after")
+        rows = metrics_after(viewer.metrics(found.folder).read(), after) if found.folder else []
+        return _json({"run": found.name, "rows": rows})
+
+    def rollouts(request: Request) -> Response:
+        found = viewer.run(request)
+        page = _int(request, "page", 1, 1)
+        page_size = _int(request, "page_size", 50, 1, MAX_PAGE_SIZE)
+        sort, desc = _sort(request)
+        filters = Filters(
+            status=_opt(request, "status"),
+            task=_opt(request, "task"),
+            dialect=_opt(request, "dialect"),
+            failure=_opt(request, "failure"),
+            min_reward=_float(request, "min_reward"),
+            max_reward=_float(request, "max_reward"),
+        )
+        if found.store is None:
+            return _json({"run": found.name, "total": 0, "page": page, "page_size": page_size, "rows": []})
+        view = viewer.store_view(found.store)
+        total, rows = view.page(
+            found.run_id, sort=sort, desc=desc, filters=filters, page=page, page_size=page_size
+        )
+        return _json(
+            {
+                "run": found.name,
+                "total": total,
+                "page": page,
+                "page_size": page_size,
+                "sort": ("-" if desc else "") + sort,
+                "rows": rows,
+                "facets": view.facets(found.run_id),
+            }
+        )
+
+    def rollout(request: Request) -> Response:
+        found, (row, calls, stats) = viewer.rollout(request)
+        view = token_view(calls, float(row.reward or 0.0), None, {})
+        samples = [
+            {k: v for k, v in s.items() if k not in ("input_ids", "loss_mask", "logprobs", "policy_versions")}
+            | {"tokens": len(s["input_ids"]), "trained": sum(s["loss_mask"])}
+            for s in view["samples"]
+        ]
+        any_tools = any(c.sampling_requested.get("tools") for c in calls)
+        return _json(
+            {
+                "run": found.name,
+                "rollout": row.public(),
+                "stats": stats,
+                "failure": failure_reason(row.status, row.details, stats.get("failed_calls", 0)),
+                "runner": runner_record(found.folder, row.id),
+                "calls": [_call_json(c, any_tools) for c in calls],
+                "samples": samples,
+            }
+        )
+
+    def tokens(request: Request) -> Response:
+        found, (row, calls, _) = viewer.rollout(request)
+        trainer = trainer_tokens(found.folder, row.id)
+        return _json(token_view(calls, float(row.reward or 0.0), viewer.model_for(found), trainer))
+
+    def index(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers={"cache-control": "no-cache"})
+
+    def api_404(request: Request) -> Response:
+        raise ApiError(404, f"no API endpoint {request.url.path}")
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return _json(
+            {"error": {"status": exc.status, "message": exc.message, "param": exc.param}}, exc.status
+        )
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _json({"error": {"status": exc.status_code, "message": exc.detail}}, exc.status_code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        viewer.close()
+
+    app = Starlette(
+        routes=[
+            Route("/", index),
+            Route("/api/info", info),
+            Route("/api/runs", runs),
+            Route("/api/run", run),
+            Route("/api/metrics", metrics),
+            Route("/api/rollouts", rollouts),
+            Route("/api/rollout", rollout),
+            Route("/api/tokens", tokens),
+            Route("/api/{rest:path}", api_404),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        ],
+        middleware=[Middleware(_Guard, token=cfg.token)],
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error},
+        lifespan=lifespan,
+    )
+    app.state.viewer = viewer
+    return app
+
+
+def _call_json(c: CallRow, any_tools: bool) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "seq": c.seq,
+        "status": c.status,
+        "error": c.error,
+        "dialect": c.dialect,
+        "model": c.model,
+        "engine": c.engine,
+        "branch_id": c.branch_id,
+        "parent_call_id": c.parent_call_id,
+        "branch_reason": c.branch_reason,
+        "side_request": side_request_reason(c.sampling_requested, any_tools),
+        "policy_version": c.policy_version,
+        "prompt_tokens": c.prompt_tokens,
+        "reused_tokens": c.prompt_prefix_len,
+        "completion_tokens": len(c.completion_ids),
+        "finish_reason": c.finish_reason,
+        "latency_ms": c.latency_ms,
+        "created_at": c.created_at,
+        "sampling_requested": c.sampling_requested,
+        "sampling_used": c.sampling_used,
+        "messages": c.messages_delta,
+        "response": c.response,
+        "parse_errors": c.parse_errors,
+    }
+
+
+class _Guard(BaseHTTPMiddleware):
+    """With a token: every request carries it (bearer header, cookie, or ?token= once, which sets the
+    cookie). Without one (loopback only): the Host must be a loopback name, so a web page cannot
+    reach the viewer through DNS rebinding."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        super().__init__(app)
+        self.token = token
+
+    async def dispatch(
+        self, request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if not self.token:
+            host = _hostname(request.headers.get("host", ""))
+            if host and not is_loopback(host):
+                return _json({"error": {"status": 403, "message": f"host {host!r} is not loopback"}}, 403)
+            return _secure(await call_next(request))
+        given = request.query_params.get("token")
+        if given is not None and hmac.compare_digest(given.encode(), self.token.encode()):
+            # Trade the token in the address for a cookie, and drop it from the address bar.
+            redirect = RedirectResponse(str(request.url.remove_query_params("token")), status_code=303)
+            redirect.set_cookie(COOKIE, self.token, httponly=True, samesite="strict")
+            return redirect
+        bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        cookie = request.cookies.get(COOKIE, "")
+        if any(c and hmac.compare_digest(c.encode(), self.token.encode()) for c in (bearer, cookie)):
+            return _secure(await call_next(request))
+        return _json(
+            {"error": {"status": 401, "message": "this viewer needs its token: open it with ?token=TOKEN"}},
+            401,
+        )
+
+
+def _hostname(header: str) -> str:
+    """The host of a Host header, without the port ('[::1]:8000' -> '[::1]')."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.rsplit(":", 1)[0]
+
+
+def _secure(response: Response) -> Response:
+    response.headers.setdefault("content-security-policy", CSP)
+    response.headers.setdefault("x-content-type-options", "nosniff")
+    response.headers.setdefault("referrer-policy", "no-referrer")
+    return response
+
+
+def serve(app: Starlette, host: str, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+__all__ = ["ApiError", "ViewerConfig", "build_app", "is_loopback", "serve"]
