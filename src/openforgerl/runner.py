@@ -136,12 +136,16 @@ class HarnessLaunch:
 HarnessFactory = Callable[[Task, str, str, Sandbox], Awaitable[HarnessLaunch]]
 
 
-def react_harness(max_turns: int = 12, max_tokens: int | None = None) -> HarnessFactory:
-    """The built-in ReAct harness (openforgerl.react_agent), run with this interpreter."""
+def react_harness(
+    max_turns: int = 12, max_tokens: int | None = None, python: str = sys.executable
+) -> HarnessFactory:
+    """The built-in ReAct harness (openforgerl.react_agent), run with `python`: this interpreter for
+    local sandboxes (bound read-only inside), the image's `python3` (with openforgerl installed) in
+    containers and Pods."""
 
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         turns = int(task.harness_options.get("max_turns", max_turns))
-        argv = [sys.executable, "-m", "openforgerl.react_agent", "--base-url", base_url, "--api-key", api_key]
+        argv = [python, "-m", "openforgerl.react_agent", "--base-url", base_url, "--api-key", api_key]
         argv += ["--task", "@/tmp/openforge-task.txt", "--max-turns", str(turns)]
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
@@ -256,8 +260,11 @@ class Runner:
         try:
             await asyncio.gather(*running)
         except BaseException:
+            # Cancel what is still running, once: a second cancel would cut short the clean-up
+            # (sandbox stop) that the first one started.
             for t in running:
-                t.cancel()
+                if not t.done() and not t.cancelling():
+                    t.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             raise
         order = {f"{t.id}#{k}": i for i, (t, k) in enumerate((t, k) for t in tasks for k in range(samples))}
@@ -357,6 +364,8 @@ class Runner:
             network="gateway",
             gateway_url=self.cfg.gateway_url,
             ro_binds=self.cfg.ro_binds,
+            image=task.image,
+            labels={"task": task.id},
         )
 
     async def _setup(self, task: Task, sandbox: Sandbox) -> None:

@@ -40,6 +40,10 @@ class SandboxSpec:
     # Host paths made visible read-only (a harness install, the project's venv): a path is bound at
     # the same path inside, a (host, inside) pair where given.
     ro_binds: Sequence[str | tuple[str, str]] = ()
+    # The task's container image (container backends; None: the backend's configured image) and
+    # labels naming what the sandbox is for (e.g. {"task": id}); the local backend ignores both.
+    image: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.network not in ("none", "gateway"):

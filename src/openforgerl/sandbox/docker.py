@@ -1,0 +1,466 @@
+"""The Docker backend: a container per rollout, through the Docker Engine API (the `docker` SDK).
+
+A container: the task's image running an idle placeholder as uid 1000, a read-only root, tmpfs for the
+work dir, HOME and /tmp, no capabilities, no new privileges, docker's init to reap orphans, the spec's
+memory (no swap), CPU and pids limits, and labels for the run and the sandbox. Network "none" is
+docker's own; network "gateway" is the same empty network namespace plus the local backend's relay
+(bridge.py): a Unix socket on the host, bound into the container, forwards to the gateway, and a
+listener on the container's loopback (the container's main process, which needs python3 in the image)
+forwards to the socket. Nothing else is reachable.
+
+Commands and files go through `docker exec` with container.py's wrapper, as in the Kubernetes backend
+(tar into tmpfs cannot use docker's archive API: it writes beneath the mounts). The SDK blocks, so
+every call runs in a thread pool of the backend's own, sized for commands that run for an hour.
+An OOM kill or a pids-limit hit is read from the container's cgroup where this host has it (a local
+engine), as the local backend does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import docker
+import docker.errors
+from docker.utils.socket import frames_iter
+
+from openforgerl.sandbox import bridge, container
+from openforgerl.sandbox.base import (
+    BackendCheck,
+    ExecResult,
+    SandboxError,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStartError,
+    SandboxUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+RUN = "openforgerl.dev/run"
+SANDBOX = "openforgerl.dev/sandbox"
+RUNNER = "openforgerl.dev/runner"  # host:pid of the runner that made it, for `openforge gc`
+INSIDE_RUN = "/run/openforgerl"
+
+
+@dataclass(frozen=True)
+class DockerConfig:
+    run_id: str
+    image: str
+    base_url: str | None = None  # None: $DOCKER_HOST or the local socket
+    max_containers: int = 32  # sandboxes whose commands can run at once (one thread each, and one spare)
+    tmpfs_size: str = "1g"  # each of the work dir, HOME and /tmp (tmpfs counts against memory)
+    runtime: str | None = None  # e.g. runsc (gVisor)
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def _host_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class DockerBackend:
+    """Sandboxes as containers of one Docker engine: see the module's doc."""
+
+    name = "docker"
+
+    def __init__(self, cfg: DockerConfig) -> None:
+        self.cfg = cfg
+        self._client: docker.DockerClient | None = None
+        # Each running command holds a thread until it ends.
+        self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_containers * 2 + 4, "openforge-docker")
+
+    @property
+    def client(self) -> docker.DockerClient:
+        if self._client is None:
+            try:
+                url = self.cfg.base_url
+                self._client = docker.DockerClient(base_url=url) if url else docker.from_env()
+            except docker.errors.DockerException as e:
+                raise SandboxUnavailable(f"no Docker engine: {e}") from e
+        return self._client
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
+        return DockerSandbox(self, spec, name)
+
+    def check(self) -> BackendCheck:
+        available: dict[str, str] = {}
+        missing: dict[str, str] = {}
+        isolation = f"docker ({self.cfg.runtime})" if self.cfg.runtime else "docker"
+        try:
+            version = self.client.version()
+            available["engine"] = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
+            info = self.client.info()
+            runtimes = info.get("Runtimes") or {}
+            if self.cfg.runtime and self.cfg.runtime not in runtimes:
+                missing["runtime"] = (
+                    f"{self.cfg.runtime} is not among the engine's runtimes ({', '.join(runtimes)})"
+                )
+            if info.get("CgroupVersion"):
+                available["cgroups"] = f"cgroup v{info['CgroupVersion']} ({info.get('CgroupDriver')})"
+            for key in ("MemoryLimit", "PidsLimit", "CpuCfsQuota"):
+                if info.get(key) is False:
+                    missing[key] = f"the engine cannot enforce {key} on this kernel"
+            if self.cfg.image != "none":
+                try:
+                    self.client.images.get(self.cfg.image)
+                    available["image"] = self.cfg.image
+                except docker.errors.ImageNotFound:
+                    missing["image"] = (
+                        f"{self.cfg.image} is not on the engine (docker pull or docker import it)"
+                    )
+        except (SandboxUnavailable, docker.errors.DockerException) as e:
+            missing["engine"] = (
+                f"cannot reach the Docker engine ({e}): is dockerd running, and its socket yours?"
+            )
+        return BackendCheck(self.name, isolation, "cgroup", available, missing)
+
+
+class _State(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+def _cgroup_counters(pid: int) -> tuple[int, int] | None:
+    """(OOM kills, pids-limit hits) of the cgroup that `pid` is in, read on this host (v1 or v2)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    paths = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(",") if controllers else [""]:
+            paths[c] = path
+    root = Path("/sys/fs/cgroup")
+
+    def read(file: Path, key: str) -> int:
+        for entry in file.read_text().splitlines():
+            k, _, v = entry.partition(" ")
+            if k == key:
+                return int(v)
+        return 0
+
+    try:
+        if "memory" in paths:  # v1
+            oom = read(root / "memory" / paths["memory"].lstrip("/") / "memory.oom_control", "oom_kill")
+            pids = read(root / "pids" / paths.get("pids", "/").lstrip("/") / "pids.events", "max")
+            return oom, pids
+        v2 = root / paths.get("", "/").lstrip("/")
+        return read(v2 / "memory.events", "oom_kill"), read(v2 / "pids.events", "max")
+    except (OSError, ValueError):
+        return None
+
+
+class DockerSandbox:
+    """A sandbox of `DockerBackend`: see the module's doc."""
+
+    def __init__(self, backend: DockerBackend, spec: SandboxSpec, name: str) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.name = name
+        self._state = _State.CREATED
+        self._container: Any = None
+        self._pid: int | None = None
+        self._dir: Path | None = None
+        self._bridge: bridge.HostBridge | None = None
+        self._gateway = urlsplit(spec.gateway_url) if spec.gateway_url else None
+
+    @property
+    def workdir(self) -> str:
+        return container.WORKDIR
+
+    @property
+    def _inner_port(self) -> int:
+        assert self._gateway is not None
+        port = self._gateway.port or (443 if self._gateway.scheme == "https" else 80)
+        return port if port >= 1024 else 8080  # a low port needs a capability the sandbox lacks
+
+    @property
+    def gateway_url(self) -> str | None:
+        if self._gateway is None or self.spec.network != "gateway":
+            return None
+        return f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}{self._gateway.path}"
+
+    @property
+    def info(self) -> SandboxInfo:
+        isolation = f"docker ({self.backend.cfg.runtime})" if self.backend.cfg.runtime else "docker"
+        return SandboxInfo(self.name, self.backend.name, isolation, "cgroup", self.spec.network)
+
+    async def __aenter__(self) -> DockerSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _run_kwargs(self) -> dict[str, Any]:
+        cfg, limits = self.backend.cfg, self.spec.limits
+        tmpfs = (
+            f"rw,exec,nosuid,nodev,size={cfg.tmpfs_size},uid={container.UID},gid={container.UID},mode=0755"
+        )
+        command = list(container.IDLE)
+        volumes: dict[str, dict[str, str]] = {}
+        if self.spec.network == "gateway":
+            assert self._dir is not None
+            volumes[str(self._dir)] = {"bind": INSIDE_RUN, "mode": "ro"}
+            relay = [f"{INSIDE_RUN}/bridge.py", str(self._inner_port), f"{INSIDE_RUN}/gw.sock", "--"]
+            command = ["python3", "-I", "-S", *relay, *command]
+        env = container.rewrite_gateway(self.spec.env, self.spec.gateway_url, self.gateway_url)
+        kwargs: dict[str, Any] = {
+            "image": self.spec.image or cfg.image,
+            "command": command,
+            "name": f"openforge-{self.name}",
+            "detach": True,
+            "user": f"{container.UID}:{container.UID}",
+            "working_dir": container.WORKDIR,
+            "environment": container.base_env(env, self.gateway_url),
+            "network_mode": "none",
+            "init": True,
+            "read_only": True,
+            "tmpfs": {container.WORKDIR: tmpfs, container.HOME: tmpfs, container.TMP: tmpfs},
+            "volumes": volumes,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "labels": {
+                **cfg.labels,
+                MANAGED_BY: "openforgerl",
+                RUN: cfg.run_id,
+                SANDBOX: self.name,
+                RUNNER: _host_id(),
+            },
+        }
+        if limits.memory_bytes is not None:
+            kwargs["mem_limit"] = limits.memory_bytes
+            kwargs["memswap_limit"] = limits.memory_bytes  # no swap: a hog must not outlive its limit
+        if limits.cpus is not None:
+            kwargs["nano_cpus"] = int(limits.cpus * 1e9)
+        if limits.pids is not None:
+            kwargs["pids_limit"] = limits.pids
+        if cfg.runtime:
+            kwargs["runtime"] = cfg.runtime
+        return kwargs
+
+    async def start(self) -> None:
+        if self._state is not _State.CREATED:
+            raise SandboxError(f"sandbox {self.name} is {self._state.value}; it starts once")
+        self._state = _State.RUNNING
+        client = self.backend.client
+        try:
+            if self.spec.network == "gateway":
+                assert self._gateway is not None and self._gateway.hostname
+                self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-"))
+                shutil.copyfile(bridge.__file__, self._dir / "bridge.py")
+                port = self._gateway.port or (443 if self._gateway.scheme == "https" else 80)
+                self._bridge = bridge.HostBridge(str(self._dir / "gw.sock"), self._gateway.hostname, port)
+                await self._bridge.start()
+                # The container's uid is not ours: it must be let through to the socket.
+                self._dir.chmod(0o755)
+                (self._dir / "gw.sock").chmod(0o666)
+            kwargs = self._run_kwargs()
+            try:
+                self._container = await self.backend.call(lambda: client.containers.run(**kwargs))
+            except docker.errors.ImageNotFound as e:
+                raise SandboxUnavailable(f"image {self.backend.cfg.image} is not on the engine: {e}") from e
+            except docker.errors.APIError as e:
+                if e.is_server_error() or e.status_code == 409:
+                    raise SandboxStartError(f"sandbox {self.name}: the engine failed: {e}") from e
+                raise SandboxUnavailable(f"sandbox {self.name}: the engine refused: {e}") from e
+            await self.backend.call(self._container.reload)
+            if self._container.status != "running":
+                logs = await self.backend.call(lambda: self._container.logs(tail=20))
+                raise SandboxUnavailable(
+                    f"sandbox {self.name}: the container exited at once "
+                    f"(python3 in the image is needed for network='gateway'): {logs.decode(errors='replace')}"
+                )
+            self._pid = int(self._container.attrs["State"]["Pid"])
+            done = await self._exec_raw(container.PROBE, None, container.Output(), None)
+            if done[0] != 0 or done[1].stdout.total:
+                missing = done[1].stdout_bytes().decode(errors="replace").split()
+                raise SandboxUnavailable(
+                    f"image {self.backend.cfg.image} lacks {', '.join(missing) or 'a POSIX shell'}"
+                )
+            for root, data in container.tar_files(self.spec.files).items():
+                await self._transfer(container.extract_argv(root), data)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        if self._state in (_State.STOPPING, _State.STOPPED):
+            return
+        self._state = _State.STOPPING
+        try:
+            if self._container is not None:
+                ctr = self._container
+                with contextlib.suppress(docker.errors.NotFound):
+                    await self.backend.call(lambda: ctr.remove(force=True))
+        except docker.errors.APIError as e:
+            raise SandboxError(f"container of sandbox {self.name} left behind: {e}") from e
+        finally:
+            if self._bridge is not None:
+                self._bridge.close()
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+            self._state = _State.STOPPED
+
+    def _check_open(self) -> None:
+        if self._state is not _State.RUNNING or self._container is None:
+            raise SandboxError(f"sandbox {self.name} is {self._state.value}")
+
+    def _exec_blocking(self, argv: Sequence[str], stdin: bytes | None, output: container.Output) -> int:
+        api = self.backend.client.api
+        exec_id = api.exec_create(
+            self._container.id, list(argv), stdin=stdin is not None, user=f"{container.UID}:{container.UID}"
+        )["Id"]
+        sock = api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        try:
+            if stdin:
+                raw.sendall(stdin)
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_WR)
+            for stream, data in frames_iter(sock, tty=False):
+                (output.stdout if stream == 1 else output.stderr).feed(data)
+        finally:
+            sock.close()
+        code = api.exec_inspect(exec_id)["ExitCode"]
+        if code is None:
+            raise SandboxStartError(f"sandbox {self.name}: the command's stream ended before it did")
+        return int(code)
+
+    async def _exec_raw(
+        self, argv: Sequence[str], stdin: bytes | None, output: container.Output, wait_s: float | None
+    ) -> tuple[int, container.Output]:
+        try:
+            future = self.backend.call(lambda: self._exec_blocking(argv, stdin, output))
+            return await asyncio.wait_for(future, wait_s), output
+        except docker.errors.NotFound as e:
+            raise SandboxStartError(f"sandbox {self.name}: its container is gone") from e
+        except docker.errors.APIError as e:
+            if e.status_code == 409:  # the container is not running
+                raise SandboxStartError(f"sandbox {self.name}: {e.explanation}") from e
+            raise
+        except TimeoutError as e:
+            raise SandboxStartError(f"sandbox {self.name}: no answer {wait_s:.0f} s into the command") from e
+
+    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
+        wrapped = container.wrap(argv, cwd=container.WORKDIR, stdin_len=len(data))
+        code, output = await self._exec_raw(wrapped, data, container.Output(), None)
+        if code != 0:
+            err = output.stderr.text()[0].strip()
+            raise SandboxError(f"sandbox {self.name}: copying in failed ({code}): {err[-500:]}")
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (a limit with a result, not a cancel scope)
+        stdin: bytes | str | None = None,
+    ) -> ExecResult:
+        self._check_open()
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise ValueError("empty command")
+        limits = [t for t in (timeout, self.spec.limits.wall_time_s) if t is not None]
+        limit_s = min(limits) if limits else None
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        extra = container.rewrite_gateway(env or {}, self.spec.gateway_url, self.gateway_url)
+        wrapped = container.wrap(
+            argv,
+            cwd=os.path.join(self.workdir, cwd) if cwd else self.workdir,
+            env=extra,
+            limit_s=limit_s,
+            stdin_len=len(data or b""),
+        )
+        before = _cgroup_counters(self._pid) if self._pid else None
+        started = time.monotonic()
+        wait_s = limit_s + container.GRACE_S if limit_s is not None else None
+        code, output = await self._exec_raw(wrapped, data, container.Output(), wait_s)
+        ended = time.monotonic()
+        killed_by = container.ended_by(code, ended - started, limit_s, self._state is not _State.RUNNING)
+        if killed_by is None and code != 0 and before is not None and self._pid:
+            after = _cgroup_counters(self._pid)
+            if after is not None and after[0] > before[0]:
+                killed_by = "oom"
+            elif after is not None and after[1] > before[1]:
+                killed_by = "pids"
+        killed_by = killed_by or container.signal_of(code)
+        return output.result(code, killed_by=killed_by, started=started, ended=ended)
+
+    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
+        full = container.resolve(path)
+        payload = data.encode() if isinstance(data, str) else data
+        parent, _, base = full.rpartition("/")
+        await self._transfer(container.extract_argv(parent or "/"), container.tar_file(base, payload, mode))
+
+    async def put_dir(self, src: str | Path, dest: str) -> None:
+        self._check_open()
+        full = container.resolve(dest)
+        await self._transfer(container.extract_argv(full), await asyncio.to_thread(container.tar_dir, src))
+
+    async def get_file(self, path: str) -> bytes:
+        self._check_open()
+        full = container.resolve(path)
+        wrapped = container.wrap([*container.READ_ARGV, "sh", full], cwd=container.WORKDIR, limit_s=600)
+        code, output = await self._exec_raw(wrapped, None, container.Output(container.FILE_LIMIT), 660)
+        if code == 2:
+            raise FileNotFoundError(f"no file {full} in sandbox {self.name}")
+        if code != 0:
+            raise OSError(f"{full} in sandbox {self.name} is not a regular file ({code})")
+        return output.stdout_bytes()
+
+
+def _runner_alive(runner: str) -> bool:
+    host, _, pid = runner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True  # another host's runner: not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def collect_garbage(
+    *, run: str | None = None, dry_run: bool = False, base_url: str | None = None
+) -> list[container.Garbage]:
+    """Removes the containers of `run`, or those whose runner on this host is no longer alive."""
+    try:
+        client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
+    except docker.errors.DockerException as e:
+        raise SandboxUnavailable(f"no Docker engine: {e}") from e
+    found = []
+    for ctr in client.containers.list(all=True, filters={"label": f"{MANAGED_BY}=openforgerl"}):
+        labels = ctr.labels
+        if (labels.get(RUN) == run) if run else not _runner_alive(labels.get(RUNNER, "")):
+            found.append(container.Garbage("container", ctr.name, labels.get(RUN, "")))
+            if not dry_run:
+                with contextlib.suppress(docker.errors.NotFound):
+                    ctr.remove(force=True)
+    return found

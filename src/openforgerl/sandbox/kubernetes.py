@@ -1,0 +1,1046 @@
+"""The Kubernetes backend: a Pod per rollout, its commands and files through the API server's exec API.
+
+Why exec and not a server inside the Pod: the runner then needs nothing but the API server (it runs
+wherever kubectl works, in or out of the cluster); rollout Pods accept no ingress at all (the
+NetworkPolicy in deploy/kubernetes lets them reach the gateway and nothing else); RBAC on `pods/exec`
+is the only credential; and any image with a POSIX shell works, with nothing of ours installed in it.
+The price: every command streams through the API server and the kubelet, so the number of Pods in
+flight is capped, and a broken stream loses its command (an infrastructure failure: retried).
+container.py's wrapper makes up for what exec lacks (a kill at the wall time, stdin's end).
+
+A Pod: the task's image running an idle placeholder as uid 1000 with a read-only root, emptyDirs for
+the work dir, HOME and /tmp, no service account token, no capabilities, requests equal to limits
+(the Guaranteed class), `activeDeadlineSeconds` as the backstop for every other clean-up, labels for
+the run and the rollout, and an owner reference to the run's parent (a ConfigMap per run), so that
+deleting the parent deletes the run's Pods. A running runner touches its parent's heartbeat annotation;
+`openforge gc` deletes the parents (and the Pods) of runs whose heartbeat stopped.
+
+The gateway is reached at `KubernetesConfig.gateway_url` (its Service, as Pods see it); env values
+that name it as the host does are rewritten to that. The rollout's key arrives with the harness's own
+exec env, so it never sits in the Pod object for anyone who may read Pods.
+
+Failures (see `assess`): what the cluster did (image pull errors, evictions, preemptions, a node lost,
+a Pod deleted, a Pod that never became ready, API errors past the retries) raises SandboxStartError,
+which the runner retries; what the rollout did (an OOM kill, the Pod's deadline) is the exec's result,
+a policy outcome. A missing permission or an invalid configuration raises SandboxUnavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import posixpath
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+
+import aiohttp
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config.config_exception import ConfigException
+from kubernetes_asyncio.stream import WsApiClient
+from pydantic import BaseModel, ConfigDict, Field
+
+from openforgerl.sandbox import container
+from openforgerl.sandbox.base import (
+    BackendCheck,
+    ExecResult,
+    SandboxError,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStartError,
+    SandboxUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+COMPONENT = "app.kubernetes.io/component"
+RUN = "openforgerl.dev/run"
+ROLLOUT = "openforgerl.dev/rollout"
+NETWORK = "openforgerl.dev/network"
+HEARTBEAT = "openforgerl.dev/heartbeat"
+SANDBOX = "openforgerl.dev/sandbox"
+OURS = f"{MANAGED_BY}=openforgerl"
+CONTAINER = "sandbox"
+# v5 can close stdin; servers that only know v4 pick it, and the wrapper's counted stdin does without.
+EXEC_PROTOCOLS = "v5.channel.k8s.io,v4.channel.k8s.io"
+_STDIN, _STDOUT, _STDERR, _STATUS, _CLOSE = 0, 1, 2, 3, 255
+_CHUNK = 256 << 10
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+# Waiting reasons after which a container will not start by itself.
+_FATAL_WAITING = {
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+    "CrashLoopBackOff",
+}
+# What a Pod's service account must be allowed in its namespace: (verb, resource, subresource).
+PERMISSIONS = [
+    *((verb, "pods", "") for verb in ("create", "get", "list", "watch", "delete")),
+    # The WebSocket upgrade is a GET; clusters since 1.31 also check create on it.
+    ("create", "pods", "exec"),
+    ("get", "pods", "exec"),
+    *((verb, "configmaps", "") for verb in ("create", "get", "list", "patch", "delete")),
+]
+
+
+class KubernetesConfig(BaseModel):
+    """Where and how rollout Pods run (from a YAML file: `KubernetesConfig.model_validate(mapping)`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = Field(min_length=1)
+    image: str = Field(min_length=1, description="The task image; the harness is installed in it.")
+    namespace: str = "default"
+    # The gateway as Pods reach it (its Service); None when Pods reach it at the runner's own URL.
+    gateway_url: str | None = None
+    kubeconfig: str | None = None  # None: $KUBECONFIG or ~/.kube/config, or the in-cluster account
+    context: str | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    runtime_class: str | None = None  # e.g. gvisor or kata, for a kernel boundary per Pod
+    service_account: str | None = None
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    # A volume of installed harnesses (a ReadOnlyMany claim filled by `openforge harness install`),
+    # mounted read-only rather than copied by an init container: a copy per Pod would move gigabytes.
+    harness_claim: str | None = None
+    harness_path: str = "/opt/openforgerl/harnesses"
+    ephemeral_storage: str | None = "4Gi"  # requests = limits, and each emptyDir's size limit
+    max_pods: int = Field(default=64, ge=1)  # Pods in flight at once
+    creates_per_s: float = Field(default=5.0, gt=0)
+    start_timeout_s: float = Field(default=600.0, gt=0)
+    api_attempts: int = Field(default=6, ge=1)  # per API call, on 429, 5xx and lost connections
+    deadline_s: int | None = Field(default=None, ge=1)  # activeDeadlineSeconds; default from the limits
+    heartbeat_s: float = Field(default=30.0, gt=0)
+
+
+# -- names and manifests --------------------------------------------------------------------------
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+def dns_name(prefix: str, readable: str, *salt: str) -> str:
+    """A DNS-1123 label (at most 63 characters) that reads like `readable`, unique through a digest."""
+    base = re.sub(r"[^a-z0-9]+", "-", readable.lower()).strip("-")[: 62 - len(prefix) - 9].strip("-")
+    return f"{prefix}-{base}-{_digest(readable, *salt)}" if base else f"{prefix}-{_digest(readable, *salt)}"
+
+
+def pod_name(cfg: KubernetesConfig, name: str) -> str:
+    return dns_name("of", name, cfg.run_id)
+
+
+def label_value(value: str) -> str:
+    """`value` as a label value (63 characters of [A-Za-z0-9_.-], alphanumeric at both ends)."""
+    if len(value) <= 63 and _LABEL_VALUE.fullmatch(value):
+        return value
+    head = re.sub(r"[^A-Za-z0-9_.-]+", "-", value)[:54].strip("-_.")
+    return f"{head}-{_digest(value)}" if head else _digest(value)
+
+
+def quantity_cpu(cpus: float) -> str:
+    return f"{max(1, round(cpus * 1000))}m"
+
+
+def quantity_memory(n: int) -> str:
+    return f"{n >> 20}Mi" if n % (1 << 20) == 0 else str(n)
+
+
+def parent_manifest(cfg: KubernetesConfig, now: float | None = None) -> dict[str, Any]:
+    """The run's parent: every Pod of the run is its dependent, and its heartbeat says the run lives."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": dns_name("openforge-run", cfg.run_id),
+            "namespace": cfg.namespace,
+            "labels": {MANAGED_BY: "openforgerl", COMPONENT: "run", RUN: label_value(cfg.run_id)},
+            "annotations": {HEARTBEAT: str(int(now if now is not None else time.time())), RUN: cfg.run_id},
+        },
+        "data": {"run_id": cfg.run_id},
+    }
+
+
+def pod_deadline(cfg: KubernetesConfig, spec: SandboxSpec) -> int:
+    """A Pod lives at most three of its longest exec (set-up, harness and verifier), or a day."""
+    if cfg.deadline_s:
+        return cfg.deadline_s
+    wall = spec.limits.wall_time_s
+    return math.ceil(3 * wall) + 300 if wall else 86400
+
+
+def pod_manifest(
+    cfg: KubernetesConfig, spec: SandboxSpec, name: str, parent_uid: str | None = None
+) -> dict[str, Any]:
+    """The Pod of sandbox `name` (a name the runner made: `<run id>-<rollout id>`)."""
+    limits = spec.limits
+    resources: dict[str, str] = {}
+    if limits.cpus is not None:
+        resources["cpu"] = quantity_cpu(limits.cpus)
+    if limits.memory_bytes is not None:
+        resources["memory"] = quantity_memory(limits.memory_bytes)
+    if cfg.ephemeral_storage:
+        resources["ephemeral-storage"] = cfg.ephemeral_storage
+    rollout = name.removeprefix(f"{cfg.run_id}-")
+    labels = {
+        MANAGED_BY: "openforgerl",
+        COMPONENT: "rollout",
+        RUN: label_value(cfg.run_id),
+        ROLLOUT: label_value(rollout),
+        NETWORK: spec.network,
+        **{f"openforgerl.dev/{k}": label_value(v) for k, v in spec.labels.items()},
+    }
+    metadata: dict[str, Any] = {
+        "name": pod_name(cfg, name),
+        "namespace": cfg.namespace,
+        "labels": labels,
+        "annotations": {SANDBOX: name, RUN: cfg.run_id},
+    }
+    if parent_uid:
+        metadata["ownerReferences"] = [
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "name": dns_name("openforge-run", cfg.run_id),
+                "uid": parent_uid,
+            }
+        ]
+    inside = (cfg.gateway_url or spec.gateway_url) if spec.network == "gateway" else None
+    env = container.base_env(container.rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
+    size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
+    volumes: list[dict[str, Any]] = [
+        {"name": "workspace", "emptyDir": dict(size)},
+        {"name": "home", "emptyDir": dict(size)},
+        {"name": "tmp", "emptyDir": dict(size)},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "workspace", "mountPath": container.WORKDIR},
+        {"name": "home", "mountPath": container.HOME},
+        {"name": "tmp", "mountPath": container.TMP},
+    ]
+    if cfg.harness_claim:
+        volumes.append(
+            {"name": "harnesses", "persistentVolumeClaim": {"claimName": cfg.harness_claim, "readOnly": True}}
+        )
+        mounts.append({"name": "harnesses", "mountPath": cfg.harness_path, "readOnly": True})
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": pod_deadline(cfg, spec),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        # The pause container becomes init: it reaps what the execs leave orphaned.
+        "shareProcessNamespace": True,
+        "terminationGracePeriodSeconds": 5,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": container.UID,
+            "runAsGroup": container.UID,
+            "fsGroup": container.UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": CONTAINER,
+                "image": spec.image or cfg.image,
+                "imagePullPolicy": cfg.image_pull_policy,
+                "command": container.IDLE,
+                "workingDir": container.WORKDIR,
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "resources": {"requests": dict(resources), "limits": dict(resources)},
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "privileged": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    if cfg.service_account:
+        pod_spec["serviceAccountName"] = cfg.service_account
+    if cfg.node_selector:
+        pod_spec["nodeSelector"] = dict(cfg.node_selector)
+    if cfg.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in cfg.tolerations]
+    if cfg.runtime_class:
+        pod_spec["runtimeClassName"] = cfg.runtime_class
+    if cfg.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in cfg.image_pull_secrets]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+# -- what a Pod's status says ---------------------------------------------------------------------
+
+
+class PodState(enum.Enum):
+    PENDING = "pending"  # not ready yet, and nothing says it will not be
+    READY = "ready"
+    INFRA = "infra"  # the cluster failed it: the runner retries the rollout
+    OOM = "oom"  # the rollout used more memory than its limit: a policy outcome
+    DEADLINE = "deadline"  # the rollout outlived activeDeadlineSeconds: a policy outcome (timeout)
+
+
+def assess(pod: Mapping[str, Any]) -> tuple[PodState, str]:
+    """A Pod's state (camelCase JSON, as the API sends it), and why, in words."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    phase, reason, message = status.get("phase"), status.get("reason"), status.get("message") or ""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return PodState.INFRA, f"pod {name} is being deleted"
+    main: Mapping[str, Any] = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER), {}
+    )
+    state = main.get("state") or {}
+    ended = state.get("terminated") or (main.get("lastState") or {}).get("terminated") or {}
+    if ended.get("reason") == "OOMKilled":
+        return PodState.OOM, f"pod {name}: its container was OOM-killed"
+    if phase in ("Failed", "Succeeded"):
+        if reason == "DeadlineExceeded":
+            return PodState.DEADLINE, f"pod {name} ran past its activeDeadlineSeconds"
+        why = reason or ended.get("reason") or "its container ended"
+        return PodState.INFRA, f"pod {name} {phase.lower()}: {why} {message}".rstrip()
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    disruption = conditions.get("DisruptionTarget")
+    if disruption and disruption.get("status") == "True":
+        why = f"{disruption.get('reason', '')} {disruption.get('message', '')}".strip()
+        return PodState.INFRA, f"pod {name} disrupted: {why}"
+    waiting = state.get("waiting") or {}
+    if waiting.get("reason") in _FATAL_WAITING:
+        return PodState.INFRA, f"pod {name}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+    ready = conditions.get("Ready")
+    if phase == "Running" and ready and ready.get("status") == "True":
+        return PodState.READY, f"pod {name} is ready"
+    scheduled = conditions.get("PodScheduled")
+    if scheduled and scheduled.get("status") == "False":
+        return PodState.PENDING, f"pod {name} unschedulable: {scheduled.get('message', '')}"
+    return PodState.PENDING, f"pod {name} {phase or 'pending'}: {waiting.get('reason') or 'starting'}"
+
+
+# -- the API, with retries ------------------------------------------------------------------------
+
+
+def _retry_after(exc: ApiException) -> float | None:
+    value = exc.headers.get("Retry-After") if exc.headers else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _unavailable(what: str, exc: ApiException) -> SandboxUnavailable:
+    body = exc.body.decode(errors="replace") if isinstance(exc.body, bytes) else exc.body
+    try:
+        detail = json.loads(body or "{}").get("message", body)
+    except ValueError:
+        detail = body
+    hint = " (see `openforge doctor --backend kubernetes`)" if exc.status == 403 else ""
+    return SandboxUnavailable(f"{what}: {exc.status} {exc.reason}: {detail}{hint}")
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, ApiException):
+        return exc.status == 429 or (exc.status or 0) >= 500
+    if isinstance(exc, aiohttp.WSServerHandshakeError):
+        return exc.status == 429 or exc.status >= 500
+    return isinstance(exc, aiohttp.ClientError | TimeoutError | ConnectionError)
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]], what: str, attempts: int, base_s: float = 0.25, cap_s: float = 15.0
+) -> T:
+    """`call`, retried on 429, 5xx and lost connections with capped, jittered exponential backoff (or the
+    server's Retry-After). Past the attempts: SandboxStartError. Other API errors go to the caller."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except Exception as exc:
+            if not _is_transient(exc):
+                raise
+            if attempt + 1 == attempts:
+                raise SandboxStartError(f"{what}: the API server kept failing: {exc!s:.300}") from exc
+            wait = _retry_after(exc) if isinstance(exc, ApiException) else None
+            if wait is None:
+                wait = min(cap_s, base_s * 2**attempt) * random.uniform(0.5, 1.0)
+            log.info("%s: %s; retrying in %.1f s", what, str(exc).splitlines()[0], wait)
+            await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+class _RateLimiter:
+    """Spaces calls at least 1/rate apart (creation bursts are what API servers throttle)."""
+
+    def __init__(self, per_s: float) -> None:
+        self._interval = 1.0 / per_s
+        self._next = 0.0
+
+    async def wait(self) -> None:
+        now = time.monotonic()
+        at = max(now, self._next)
+        self._next = at + self._interval
+        await asyncio.sleep(at - now)
+
+
+async def load_client_config(kubeconfig: str | None, context: str | None) -> client.Configuration:
+    conf = client.Configuration()
+    try:
+        if kubeconfig or context or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            await config.load_kube_config(
+                config_file=kubeconfig, context=context, client_configuration=conf, persist_config=False
+            )
+        else:
+            config.load_incluster_config(client_configuration=conf)
+    except (ConfigException, OSError, TypeError) as e:
+        raise SandboxUnavailable(f"no Kubernetes credentials ({kubeconfig or '$KUBECONFIG'}): {e}") from e
+    return conf
+
+
+class _Session:
+    """What a backend holds while it has sandboxes, on one event loop: the clients, the cap on Pods in
+    flight, the creation rate, the run's parent and its heartbeat."""
+
+    def __init__(self, cfg: KubernetesConfig) -> None:
+        self.cfg = cfg
+        self.pods = asyncio.Semaphore(cfg.max_pods)
+        self.limiter = _RateLimiter(cfg.creates_per_s)
+        self.api: client.ApiClient | None = None
+        self.ws: WsApiClient | None = None
+        self._parent_uid: str | None = None
+        self._parent_lock = asyncio.Lock()
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        conf = await load_client_config(self.cfg.kubeconfig, self.cfg.context)
+        # Each exec holds a connection for as long as its command runs.
+        conf.connection_pool_maxsize = self.cfg.max_pods * 2 + 8
+        self.api = client.ApiClient(conf)
+        self.ws = WsApiClient(conf)
+        self.ws.set_default_header("sec-websocket-protocol", EXEC_PROTOCOLS)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    @property
+    def exec_api(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.ws)
+
+    def call(self, what: str, fn: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        return retrying(fn, what, self.cfg.api_attempts)
+
+    async def parent_uid(self) -> str:
+        """The run's parent's uid, made on first use; the heartbeat keeps it from `openforge gc`."""
+        async with self._parent_lock:
+            if self._parent_uid is None:
+                self._parent_uid = await self._touch_parent()
+                self._heartbeat = asyncio.create_task(self._beat())
+            return self._parent_uid
+
+    async def _touch_parent(self) -> str:
+        cfg = self.cfg
+        body = parent_manifest(cfg)
+        name = body["metadata"]["name"]
+        patch = {"metadata": {"annotations": body["metadata"]["annotations"]}}
+        try:
+            made = await self.call(
+                f"patch {name}", lambda: self.core.patch_namespaced_config_map(name, cfg.namespace, patch)
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise _unavailable(f"cannot update the run's parent {name}", e) from e
+            try:
+                made = await self.call(
+                    f"create {name}",
+                    lambda: self.core.create_namespaced_config_map(cfg.namespace, cast(Any, body)),
+                )
+            except ApiException as e2:
+                raise _unavailable(f"cannot create the run's parent {name}", e2) from e2
+        return str(made.metadata.uid)
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            try:
+                uid = await self._touch_parent()
+            except SandboxError as e:
+                log.warning("run %s: heartbeat failed: %s", self.cfg.run_id, e)
+                continue
+            if uid != self._parent_uid:
+                # Deleted meanwhile (with its Pods, by the garbage collector): new Pods get the new one.
+                log.warning("run %s: its parent was deleted and made anew", self.cfg.run_id)
+                self._parent_uid = uid
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        for api in (self.api, self.ws):
+            if api is not None:
+                await api.close()
+
+
+class KubernetesBackend:
+    """Sandboxes as Pods in one namespace: see the module's doc. One backend serves one run."""
+
+    name = "kubernetes"
+
+    def __init__(self, cfg: KubernetesConfig) -> None:
+        self.cfg = cfg
+        self._session: _Session | None = None
+        self._opening: asyncio.Future[None] | None = None
+        self._users = 0
+
+    async def _acquire(self) -> _Session:
+        """The session of this event loop, opened by the first sandbox and closed with the last."""
+        self._users += 1
+        try:
+            if self._session is None:
+                self._session = _Session(self.cfg)
+                self._opening = asyncio.ensure_future(self._session.open())
+            assert self._opening is not None
+            await asyncio.shield(self._opening)
+            return self._session
+        except BaseException:
+            await self._release()
+            raise
+
+    async def _release(self) -> None:
+        self._users -= 1
+        if self._users == 0 and self._session is not None:
+            session, self._session, self._opening = self._session, None, None
+            await session.close()
+
+    def create(self, spec: SandboxSpec, name: str) -> KubernetesSandbox:
+        if spec.network == "gateway" and not (self.cfg.gateway_url or spec.gateway_url):
+            raise ValueError("network='gateway' needs the gateway's URL as Pods reach it")
+        if spec.ro_binds:
+            # A Pod sees its image, not this host: the harness must be in the image (or the cache volume).
+            log.debug("sandbox %s: ro_binds are not mounted into Pods", name)
+        return KubernetesSandbox(self, spec, name)
+
+    def check(self) -> BackendCheck:
+        """Access, version, permissions, runtime class and NetworkPolicy, checked against the cluster."""
+        # A fresh loop in a thread: check() is synchronous, and may be called from inside a loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, self._check()).result()
+
+    async def _check(self) -> BackendCheck:
+        cfg = self.cfg
+        available: dict[str, str] = {}
+        missing: dict[str, str] = {}
+        isolation = f"pod ({cfg.runtime_class})" if cfg.runtime_class else "pod"
+        try:
+            conf = await load_client_config(cfg.kubeconfig, cfg.context)
+        except SandboxUnavailable as e:
+            missing["credentials"] = str(e)
+            return BackendCheck(self.name, isolation, "cgroup", available, missing)
+        async with client.ApiClient(conf) as api:
+            try:
+                version = await retrying(lambda: client.VersionApi(api).get_code(), "version", 2)
+                available["api"] = f"{conf.host} (Kubernetes {version.git_version})"
+            except (ApiException, SandboxError, aiohttp.ClientError) as e:
+                missing["api"] = f"cannot reach {conf.host}: {str(e).splitlines()[0]}"
+                return BackendCheck(self.name, isolation, "cgroup", available, missing)
+            denied = []
+            for verb, resource, sub in PERMISSIONS:
+                review = {
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SelfSubjectAccessReview",
+                    "spec": {
+                        "resourceAttributes": {
+                            "namespace": cfg.namespace,
+                            "verb": verb,
+                            "resource": resource,
+                            "subresource": sub,
+                        }
+                    },
+                }
+                answer = await client.AuthorizationV1Api(api).create_self_subject_access_review(
+                    cast(Any, review)
+                )
+                if not answer.status.allowed:
+                    denied.append(f"{verb} {resource}{'/' + sub if sub else ''}")
+            if denied:
+                missing["permissions"] = (
+                    f"not allowed in namespace {cfg.namespace}: {', '.join(denied)} "
+                    "(deploy/kubernetes/rbac.yaml grants them)"
+                )
+            else:
+                available["permissions"] = f"pods, pods/exec and configmaps in namespace {cfg.namespace}"
+            if cfg.runtime_class:
+                try:
+                    await client.NodeV1Api(api).read_runtime_class(cfg.runtime_class)
+                    available["runtime class"] = cfg.runtime_class
+                except ApiException as e:
+                    key = "runtime class" if e.status == 404 else "runtime class (unverified)"
+                    missing[key] = f"{cfg.runtime_class}: {e.status} {e.reason}"
+            try:
+                policies = await client.NetworkingV1Api(api).list_namespaced_network_policy(
+                    cfg.namespace, label_selector="app.kubernetes.io/part-of=openforgerl"
+                )
+                names = [p.metadata.name for p in policies.items]
+                if names:
+                    available["network policy"] = ", ".join(names)
+                else:
+                    missing["network policy"] = (
+                        f"none in namespace {cfg.namespace}: rollout Pods can reach anything "
+                        "(kubectl apply -f deploy/kubernetes/networkpolicy.yaml)"
+                    )
+            except ApiException as e:
+                missing["network policy (unverified)"] = f"cannot list NetworkPolicies: {e.status} {e.reason}"
+        return BackendCheck(self.name, isolation, "cgroup", available, missing)
+
+
+class _State(enum.Enum):
+    CREATED = "created"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class _StreamLost(Exception):
+    """An exec's stream ended without the command's exit status."""
+
+
+@dataclass(slots=True)
+class _Exec:
+    code: int
+    output: container.Output
+
+
+class KubernetesSandbox:
+    """A sandbox of `KubernetesBackend`: see the module's doc."""
+
+    def __init__(self, backend: KubernetesBackend, spec: SandboxSpec, name: str) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.name = name
+        self.pod = pod_name(backend.cfg, name)
+        self._state = _State.CREATED
+        self._session: _Session | None = None
+        self._holds_slot = False
+        self._created = False
+
+    @property
+    def workdir(self) -> str:
+        return container.WORKDIR
+
+    @property
+    def gateway_url(self) -> str | None:
+        if self.spec.network != "gateway":
+            return None
+        return self.backend.cfg.gateway_url or self.spec.gateway_url
+
+    @property
+    def info(self) -> SandboxInfo:
+        cfg = self.backend.cfg
+        isolation = f"pod ({cfg.runtime_class})" if cfg.runtime_class else "pod"
+        # "gateway" holds only where deploy/kubernetes' NetworkPolicy is applied (doctor checks it).
+        return SandboxInfo(self.name, self.backend.name, isolation, "cgroup", self.spec.network)
+
+    @property
+    def _cfg(self) -> KubernetesConfig:
+        return self.backend.cfg
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> KubernetesSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self._state is not _State.CREATED:
+            raise SandboxError(f"sandbox {self.name} is {self._state.value}; it starts once")
+        self._state = _State.STARTING
+        try:
+            self._session = await self.backend._acquire()
+            await self._session.pods.acquire()
+            self._holds_slot = True
+            await self._create(self._session)
+            await self._until_ready(self._session)
+            self._state = _State.RUNNING
+            await self._probe()
+            for root, data in container.tar_files(self.spec.files).items():
+                await self._transfer(container.extract_argv(root), data)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _create(self, session: _Session) -> None:
+        await session.limiter.wait()
+        uid = await session.parent_uid()
+        body = pod_manifest(self._cfg, self.spec, self.name, uid)
+        core = session.core
+        try:
+            await session.call(
+                f"create pod {self.pod}",
+                lambda: core.create_namespaced_pod(self._cfg.namespace, cast(Any, body)),
+            )
+        except ApiException as e:
+            if e.status != 409:
+                raise _unavailable(f"cannot create pod {self.pod}", e) from e
+            # An earlier try whose answer was lost got through: the name is this sandbox's alone.
+            log.info("pod %s: created by an earlier try", self.pod)
+        self._created = True
+
+    async def _read(self, session: _Session) -> dict[str, Any] | None:
+        core = session.core
+        try:
+            pod = await session.call(
+                f"read pod {self.pod}", lambda: core.read_namespaced_pod(self.pod, self._cfg.namespace)
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _unavailable(f"cannot read pod {self.pod}", e) from e
+        # The API's own JSON (camelCase), which `assess` reads.
+        assert session.api is not None
+        return cast(dict[str, Any], session.api.sanitize_for_serialization(pod))
+
+    async def _until_ready(self, session: _Session) -> None:
+        """Waits for the Pod to be ready, watching it; raises SandboxStartError when it cannot be."""
+        deadline = time.monotonic() + self._cfg.start_timeout_s
+        why = f"pod {self.pod} not scheduled yet"
+        while (left := deadline - time.monotonic()) > 0:
+            pod = await self._read(session)
+            if pod is None:
+                raise SandboxStartError(f"pod {self.pod} was deleted before it was ready")
+            state, why = assess(pod)
+            if state is PodState.READY:
+                return
+            if state is not PodState.PENDING:
+                raise SandboxStartError(f"sandbox {self.name} did not start: {why}")
+            w = watch.Watch()
+            try:
+                async with asyncio.timeout(left):
+                    async for event in w.stream(
+                        session.core.list_namespaced_pod,
+                        self._cfg.namespace,
+                        field_selector=f"metadata.name={self.pod}",
+                        resource_version=pod["metadata"]["resourceVersion"],
+                        timeout_seconds=max(1, min(int(left), 300)),
+                    ):
+                        if event["type"] == "DELETED":
+                            raise SandboxStartError(f"pod {self.pod} was deleted before it was ready")
+                        state, why = assess(event["raw_object"])
+                        if state is PodState.READY:
+                            return
+                        if state is not PodState.PENDING:
+                            raise SandboxStartError(f"sandbox {self.name} did not start: {why}")
+            except TimeoutError:
+                break
+            except (ApiException, aiohttp.ClientError) as e:
+                # An expired resourceVersion (410) or a dropped watch: read the Pod again, watch anew.
+                log.debug("pod %s: watch ended: %s", self.pod, str(e).splitlines()[0])
+                await asyncio.sleep(0.5)
+            finally:
+                await w.close()
+        raise SandboxStartError(
+            f"sandbox {self.name} not ready after {self._cfg.start_timeout_s:.0f} s: {why}"
+        )
+
+    async def _probe(self) -> None:
+        done = await self._stream(container.PROBE, None, container.Output())
+        if done.code != 0 or done.output.stdout.total:
+            missing = done.output.stdout_bytes().decode(errors="replace").split()
+            raise SandboxUnavailable(
+                f"image {self._cfg.image} lacks {', '.join(missing) or 'a POSIX shell'}: "
+                f"a container sandbox needs {', '.join(container.TOOLS)}"
+            )
+
+    async def stop(self) -> None:
+        if self._state in (_State.STOPPING, _State.STOPPED):
+            return
+        self._state = _State.STOPPING
+        session, self._session = self._session, None
+        try:
+            if session is not None and self._created:
+                core = session.core
+                try:
+                    await session.call(
+                        f"delete pod {self.pod}",
+                        lambda: core.delete_namespaced_pod(
+                            self.pod, self._cfg.namespace, grace_period_seconds=0
+                        ),
+                    )
+                except ApiException as e:
+                    if e.status != 404:
+                        raise SandboxError(f"pod {self.pod} left behind: {e.status} {e.reason}") from e
+        finally:
+            if session is not None:
+                if self._holds_slot:
+                    session.pods.release()
+                await self.backend._release()
+            self._state = _State.STOPPED
+
+    # -- exec ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> _Session:
+        if self._state is not _State.RUNNING or self._session is None:
+            raise SandboxError(f"sandbox {self.name} is {self._state.value}")
+        return self._session
+
+    async def _stream(
+        self, argv: Sequence[str], stdin: bytes | None, output: container.Output, wait_s: float | None = None
+    ) -> _Exec:
+        """Runs argv through the exec API; raises _StreamLost when no exit status came back."""
+        session = self._session
+        assert session is not None
+        api = session.exec_api
+
+        async def connect() -> Any:
+            ws = await cast(Any, api).connect_get_namespaced_pod_exec(
+                self.pod,
+                self._cfg.namespace,
+                container=CONTAINER,
+                command=list(argv),
+                stdin=stdin is not None,
+                stdout=True,
+                stderr=True,
+                tty=False,
+                _preload_content=False,
+            )
+            return await ws.__aenter__()
+
+        try:
+            ws = await session.call(f"exec in pod {self.pod}", connect)
+        except aiohttp.WSServerHandshakeError as e:
+            if e.status == 403:
+                raise SandboxUnavailable(f"exec in pod {self.pod} forbidden: {e.message}") from e
+            raise _StreamLost(f"exec refused: {e.status} {e.message}") from e
+        status = bytearray()
+        try:
+            async with asyncio.timeout(wait_s):
+                if stdin is not None:
+                    for i in range(0, len(stdin), _CHUNK):
+                        await ws.send_bytes(bytes([_STDIN]) + stdin[i : i + _CHUNK])
+                    await ws.send_bytes(bytes([_CLOSE, _STDIN]))
+                async for msg in ws:
+                    if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                        break
+                    data = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
+                    if not data:
+                        continue
+                    if data[0] == _STDOUT:
+                        output.stdout.feed(data[1:])
+                    elif data[0] == _STDERR:
+                        output.stderr.feed(data[1:])
+                    elif data[0] == _STATUS:
+                        status += data[1:]
+        except TimeoutError as e:
+            raise _StreamLost(f"no answer {wait_s:.0f} s into the command") from e
+        except aiohttp.ClientError as e:
+            raise _StreamLost(f"the exec stream broke: {e}") from e
+        finally:
+            await ws.close()
+        if not status:
+            raise _StreamLost("the exec stream ended without an exit status")
+        return _Exec(_exit_code(bytes(status)), output)
+
+    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
+        done = await self._run(argv, data, container.Output(), None)
+        if done.code != 0:
+            err = done.output.stderr.text()[0].strip()
+            raise SandboxError(f"sandbox {self.name}: copying in failed ({done.code}): {err[-500:]}")
+
+    async def _run(
+        self, argv: Sequence[str], stdin: bytes | None, output: container.Output, limit_s: float | None
+    ) -> _Exec:
+        """argv under the wrapper, with a stream lost blamed on the Pod where its state says so."""
+        wrapped = container.wrap(argv, cwd=self.workdir, limit_s=limit_s, stdin_len=len(stdin or b""))
+        wait_s = limit_s + container.GRACE_S if limit_s else None
+        try:
+            return await self._stream(wrapped, stdin, output, wait_s)
+        except _StreamLost as e:
+            raise SandboxStartError(f"sandbox {self.name}: {e}") from e
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (a limit with a result, not a cancel scope)
+        stdin: bytes | str | None = None,
+    ) -> ExecResult:
+        session = self._check_open()
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise ValueError("empty command")
+        limits = [t for t in (timeout, self.spec.limits.wall_time_s) if t is not None]
+        limit_s = min(limits) if limits else None
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        extra = container.rewrite_gateway(env or {}, self.spec.gateway_url, self.gateway_url)
+        wrapped = container.wrap(
+            argv,
+            cwd=posixpath.join(self.workdir, cwd) if cwd else self.workdir,
+            env=extra,
+            limit_s=limit_s,
+            stdin_len=len(data or b""),
+        )
+        output = container.Output()
+        started = time.monotonic()
+        lost: _StreamLost | None = None
+        try:
+            wait_s = limit_s + container.GRACE_S if limit_s is not None else None
+            code = (await self._stream(wrapped, data, output, wait_s)).code
+        except _StreamLost as e:
+            code, lost = 128 + 9, e  # as good as killed: the Pod says by whom, below
+        elapsed = time.monotonic() - started
+        killed_by = container.ended_by(code, elapsed, limit_s, self._state is not _State.RUNNING)
+        if killed_by is None and code == 128 + 9:
+            killed_by = await self._blame(session, lost)
+        killed_by = killed_by or container.signal_of(code)
+        return output.result(code, killed_by=killed_by, started=started, ended=time.monotonic())
+
+    async def _blame(self, session: _Session, lost: _StreamLost | None) -> str | None:
+        """Who killed a command that nothing here killed. The rollout (its memory, the Pod's deadline):
+        a result. The cluster (an eviction, a node lost, a deletion): SandboxStartError, retried."""
+        pod = await self._read(session)
+        state, why = assess(pod) if pod is not None else (PodState.INFRA, f"pod {self.pod} is gone")
+        if state is PodState.OOM:
+            return "oom"
+        if state is PodState.DEADLINE:
+            return "wall-time"
+        if self._state is not _State.RUNNING:
+            return "stopped"
+        if state is PodState.INFRA or lost is not None:
+            raise SandboxStartError(f"sandbox {self.name}: {why}; {lost or 'command killed'}")
+        return None
+
+    # -- files -----------------------------------------------------------------------------------
+
+    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
+        full = container.resolve(path)
+        payload = data.encode() if isinstance(data, str) else data
+        parent, _, base = full.rpartition("/")
+        await self._transfer(container.extract_argv(parent or "/"), container.tar_file(base, payload, mode))
+
+    async def put_dir(self, src: str | Path, dest: str) -> None:
+        self._check_open()
+        full = container.resolve(dest)
+        await self._transfer(container.extract_argv(full), await asyncio.to_thread(container.tar_dir, src))
+
+    async def get_file(self, path: str) -> bytes:
+        self._check_open()
+        full = container.resolve(path)
+        done = await self._run(
+            [*container.READ_ARGV, "sh", full], None, container.Output(container.FILE_LIMIT), 600
+        )
+        if done.code == 2:
+            raise FileNotFoundError(f"no file {full} in sandbox {self.name}")
+        if done.code != 0:
+            raise OSError(f"{full} in sandbox {self.name} is not a regular file ({done.code})")
+        return done.output.stdout_bytes()
+
+
+def _exit_code(status: bytes) -> int:
+    """The exit code in the exec's status (channel 3): Success, or NonZeroExitCode with an ExitCode."""
+    try:
+        doc = json.loads(status)
+    except ValueError as e:
+        raise _StreamLost(f"unreadable exec status {status[:200]!r}") from e
+    if doc.get("status") == "Success":
+        return 0
+    for cause in (doc.get("details") or {}).get("causes") or []:
+        if cause.get("reason") == "ExitCode":
+            return int(cause["message"])
+    raise _StreamLost(f"the command did not run: {doc.get('message', doc)}")
+
+
+# -- garbage collection ---------------------------------------------------------------------------
+
+
+async def collect_garbage(
+    namespace: str,
+    *,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+    run: str | None = None,
+    older_than_s: float = 600.0,
+    dry_run: bool = False,
+) -> list[container.Garbage]:
+    """Deletes what crashed runs left: the parents whose heartbeat is older than `older_than_s` (or the
+    parent of `run`), their Pods, and Pods with no parent at all that are that old."""
+    conf = await load_client_config(kubeconfig, context)
+    now = time.time()
+    found: list[container.Garbage] = []
+    async with client.ApiClient(conf) as api:
+        core = client.CoreV1Api(api)
+        parents = (
+            await retrying(
+                lambda: core.list_namespaced_config_map(namespace, label_selector=f"{OURS},{COMPONENT}=run"),
+                "list run parents",
+                6,
+            )
+        ).items
+        pods = (
+            await retrying(
+                lambda: core.list_namespaced_pod(namespace, label_selector=f"{OURS},{COMPONENT}=rollout"),
+                "list rollout pods",
+                6,
+            )
+        ).items
+        live: set[str] = set()
+        for parent in parents:
+            labels = parent.metadata.labels or {}
+            notes = parent.metadata.annotations or {}
+            beat = float(notes.get(HEARTBEAT, "0") or 0)
+            stale = labels.get(RUN) == label_value(run) if run else now - beat > older_than_s
+            if stale:
+                found.append(
+                    container.Garbage("configmap", parent.metadata.name, notes.get(RUN, labels.get(RUN, "")))
+                )
+            else:
+                live.add(labels.get(RUN, ""))
+        dead_runs = {label_value(g.run) for g in found}
+        for pod in pods:
+            label = (pod.metadata.labels or {}).get(RUN, "")
+            created = pod.metadata.creation_timestamp
+            age = now - created.timestamp() if created else math.inf
+            if label in dead_runs or (not run and label not in live and age > older_than_s):
+                found.append(
+                    container.Garbage(
+                        "pod", pod.metadata.name, (pod.metadata.annotations or {}).get(RUN, label)
+                    )
+                )
+        if not dry_run:
+            for item in found:
+                delete = (
+                    core.delete_namespaced_pod if item.kind == "pod" else core.delete_namespaced_config_map
+                )
+                call = functools.partial(delete, item.name, namespace, grace_period_seconds=0)
+                try:
+                    await retrying(call, f"delete {item.kind} {item.name}", 6)
+                except ApiException as e:
+                    if e.status != 404:
+                        raise _unavailable(f"cannot delete {item.kind} {item.name}", e) from e
+    return found

@@ -1,0 +1,146 @@
+"""The Docker backend against a real Docker engine: skipped where none is reachable.
+
+`make test-docker` starts Debian's dockerd here (no bridge, no iptables: containers get no network but
+what the backend gives them) and imports a debootstrap image, then runs this file with DOCKER_HOST and
+OPENFORGE_DOCKER_IMAGE set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import pytest
+from click.testing import CliRunner
+
+from openforgerl.cli import main as cli
+from openforgerl.sandbox import Limits, SandboxSpec
+from openforgerl.sandbox.docker import DockerBackend, DockerConfig, collect_garbage
+
+IMAGE = os.environ.get("OPENFORGE_DOCKER_IMAGE", "openforgerl/debian-test:bookworm")
+
+
+@pytest.fixture(scope="module")
+def engine() -> docker.DockerClient:
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException as e:
+        pytest.skip(f"no Docker engine reachable ({e}); `make test-docker` starts one")
+    try:
+        client.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        pytest.skip(f"image {IMAGE} is missing; `make test-docker` imports it")
+    return client
+
+
+def backend(run: str) -> DockerBackend:
+    return DockerBackend(DockerConfig(run_id=run, image=IMAGE))
+
+
+def ours(engine: docker.DockerClient, run: str) -> list[Any]:
+    return engine.containers.list(all=True, filters={"label": f"openforgerl.dev/run={run}"})
+
+
+@pytest.fixture
+def gateway() -> Iterator[str]:
+    """A stand-in for the gateway on the host's loopback: answers every GET with the path."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = f"gateway saw {self.path}".encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+
+
+def test_container_runs_commands_and_moves_files(engine: docker.DockerClient, tmp_path: Path) -> None:
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "f.txt").write_text("in a tree")
+    spec = SandboxSpec(files={"task.txt": "hello"}, limits=Limits(memory_bytes=256 << 20, wall_time_s=60))
+
+    async def go() -> None:
+        async with backend("dock").create(spec, "dock-r1") as sb:
+            [ctr] = ours(engine, "dock")
+            host = ctr.attrs["HostConfig"]
+            assert (host["Memory"], host["MemorySwap"], host["NetworkMode"]) == (256 << 20, 256 << 20, "none")
+            assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"]
+            done = await sb.exec("cat task.txt; echo $X >&2; id -u; exit 3", env={"X": "env"})
+            assert (done.exit_code, done.stdout, done.stderr) == (3, "hello1000\n", "env\n")
+            assert (await sb.exec(["cat"], stdin=b"piped")).stdout == "piped"
+            await sb.put_dir(tmp_path / "tree", "/tmp/d")
+            await sb.put_file("b.bin", bytes(range(256)))
+            assert await sb.get_file("b.bin") == bytes(range(256))
+            assert await sb.get_file("/tmp/d/f.txt") == b"in a tree"
+            slow = await sb.exec("sleep 30", timeout=1)
+            assert slow.killed_by == "wall-time" and slow.timed_out
+            blocked = await sb.exec(["python3", "-c", GET, "http://127.0.0.1:9/"])
+            assert not blocked.ok  # no network at all
+
+    asyncio.run(go())
+    assert not ours(engine, "dock")
+
+
+def test_memory_limit_kills_are_reported(engine: docker.DockerClient) -> None:
+    spec = SandboxSpec(limits=Limits(memory_bytes=64 << 20, pids=64, wall_time_s=60))
+
+    async def go() -> Any:
+        async with backend("dock-oom").create(spec, "dock-oom-r1") as sb:
+            return await sb.exec(["python3", "-c", "x = bytearray(512 << 20)"])
+
+    hog = asyncio.run(go())
+    assert hog.killed_by == "oom", hog
+
+
+def test_only_the_gateway_is_reachable(engine: docker.DockerClient, gateway: str) -> None:
+    spec = SandboxSpec(network="gateway", gateway_url=gateway, env={"BASE": f"{gateway}/v1"})
+
+    async def go() -> tuple[Any, Any]:
+        async with backend("dock-net").create(spec, "dock-net-r1") as sb:
+            assert sb.gateway_url is not None
+            seen = await sb.exec(["sh", "-c", 'python3 -c "$0" "$BASE/models"', GET])
+            other = await sb.exec(["python3", "-c", GET, "http://127.0.0.1:9/"])
+            return seen, other
+
+    seen, other = asyncio.run(go())
+    assert seen.stdout == "gateway saw /v1/models\n", seen
+    assert not other.ok
+
+
+def test_gc_removes_containers_left_behind(engine: docker.DockerClient) -> None:
+    async def leave() -> None:
+        sb = backend("dock-gc").create(SandboxSpec(), "dock-gc-r1")
+        await sb.start()  # and never stopped, as if the runner had died
+
+    asyncio.run(leave())
+    assert len(ours(engine, "dock-gc")) == 1
+    assert collect_garbage() == []  # its runner (this process) is alive
+    found = CliRunner().invoke(cli, ["gc", "--backend", "docker", "--run", "dock-gc"])
+    assert "removed container/openforge-dock-gc-r1 (run dock-gc)" in found.output, found.output
+    assert not ours(engine, "dock-gc")
+
+
+def test_doctor_checks_the_engine(engine: docker.DockerClient) -> None:
+    done = CliRunner().invoke(cli, ["doctor", "--backend", "docker"])
+    assert "ok       engine: Docker" in done.output, done.output
