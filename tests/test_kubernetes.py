@@ -543,14 +543,16 @@ def test_gc_removes_what_a_killed_runner_left(
             assert live_started.wait(30)
             proc.send_signal(signal.SIGKILL)  # no clean-up of any kind
             proc.wait(10)
-            time.sleep(1.5)
+            # Stale means no heartbeat for --older-than seconds; the live run beats every 0.3 s. The
+            # margin is wide because a loaded CI machine can delay a heartbeat by seconds.
+            time.sleep(9)
             assert len(pods_of(cluster, "crashy")) == 3  # left behind
             args = ["gc", "--backend", "kubernetes", "--kubeconfig", kubeconfig, "--namespace", NS]
-            dry = CliRunner().invoke(cli, [*args, "--older-than", "1", "--dry-run"])
+            dry = CliRunner().invoke(cli, [*args, "--older-than", "8", "--dry-run"])
             assert dry.exit_code == 0, dry.output
             assert "would remove configmap/openforge-run-crashy" in dry.output
             assert len(pods_of(cluster, "crashy")) == 3
-            done = CliRunner().invoke(cli, [*args, "--older-than", "1"])
+            done = CliRunner().invoke(cli, [*args, "--older-than", "8"])
             assert done.exit_code == 0, done.output
             assert done.output.count("removed pod/") == 3, done.output
             wait_until(lambda: not pods_of(cluster, "crashy"))
