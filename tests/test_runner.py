@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,7 @@ from openforgerl.tasks.suites.tools_tiny import oracle
 from tests.gateway_helpers import ScriptEngine, running_gateway
 
 TASKS = load_tasks("tools-tiny", split="heldout")[:3]
+DONE = "SELECT key, gateway_rollout_id FROM rollouts WHERE status='done'"
 
 
 def oracle_engine(model_dir: Path) -> ScriptEngine:
@@ -196,3 +202,43 @@ def test_cancellation_leaves_no_sandbox_behind(tiny_model_dir: Path, tmp_path: P
 
         asyncio.run(go())
     assert not any(state.iterdir())  # every sandbox's directory is gone
+
+
+def test_eval_killed_mid_run_resumes_without_losing_or_repeating(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`openforge eval` killed with SIGKILL, then run again on the same folder."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "openforgerl.cli", "eval", "--tasks", "tools-tiny", "--split", "heldout"]
+    cmd += ["--limit", "4", "--k", "2", "--model", str(tiny_model_dir), "--out", str(out)]
+    cmd += ["--concurrency", "2", "--max-tokens", "8", "--max-turns", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    state = out / "runner.db"
+
+    def finished() -> int:
+        if not state.exists():
+            return 0
+        with sqlite3.connect(state) as db:
+            return int(db.execute("SELECT COUNT(*) FROM rollouts WHERE status='done'").fetchone()[0])
+
+    deadline = time.monotonic() + 300
+    while finished() < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the runner and everything it started, no clean-up at all
+    proc.wait()
+    with sqlite3.connect(state) as db:
+        before = dict(
+            db.execute("SELECT key, gateway_rollout_id FROM rollouts WHERE status='done'").fetchall()
+        )
+    assert 2 <= len(before) < 8
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with sqlite3.connect(state) as db:
+        after = dict(
+            db.execute("SELECT key, gateway_rollout_id FROM rollouts WHERE status='done'").fetchall()
+        )
+        statuses = [r[0] for r in db.execute("SELECT status FROM rollouts")]
+    assert len(after) == 8 and statuses == ["done"] * 8  # every task sample exactly once
+    assert all(after[k] == v for k, v in before.items())  # finished rollouts were not run again
+    report = json.loads((out / "report.json").read_text())
+    assert report["rollouts"] == 8 and report["scored"] == 8
