@@ -88,6 +88,8 @@ def test_eval_with_the_oracle_policy_scores_every_task(tiny_model_dir: Path, tmp
     ("command", "on_failure", "status", "outcome", "reward"),
     [
         ("exit 3", "zero", Status.DONE, "crash", 0.0),
+        # 3 MB of output: captured head and tail only, and the run goes on.
+        ("head -c 3000000 /dev/zero | tr '\\0' x; exit 3", "zero", Status.DONE, "crash", 0.0),
         ("sleep 60", "zero", Status.DONE, "timeout", 0.0),
         ("exit 3", "drop", Status.DROPPED, "crash", None),
         # The verifier judges the partial state: the right answer was written before the crash.
