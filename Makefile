@@ -61,8 +61,8 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -m vllm tests/test_vllm_engine.py
 
 ## Gateway overhead vs LiteLLM, against a zero-latency fake engine (benchmarks/gateway_overhead.py).
-## LiteLLM gets its own venv so its dependencies never touch the main one. About 15 min on 2 cores;
-## `make bench BENCH_ARGS=--quick` (or `make bench-quick`) is a 2-minute smoke run.
+## LiteLLM gets its own venv so its dependencies never touch the main one. About 12-20 min on 2 cores;
+## `make bench BENCH_ARGS=--quick` (or `make bench-quick`) is a 3-minute smoke run.
 BENCH_VENV := .venv-bench
 LITELLM_VERSION := 1.106.12
 BENCH_STAMP := $(BENCH_VENV)/.installed-litellm-$(LITELLM_VERSION)
