@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -e '.[dev]'
+	# veRL's algorithms only: its own requirements (vLLM, GPU extras) are not needed on this path.
+	$(BIN)/pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 venv: $(STAMP)

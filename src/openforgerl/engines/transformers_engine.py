@@ -132,6 +132,7 @@ class TransformersEngine:
         max_queue: int = 256,
         batch_wait_ms: float = 2.0,
         max_context: int | None = None,
+        policy_version: int = 0,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")
@@ -165,7 +166,7 @@ class TransformersEngine:
         self._model: Any = None
         # Continuous joins pad caches on the left, which only plain full-attention layers allow.
         self._mergeable = False
-        self._version = 0
+        self._version = policy_version  # a resumed run's engine starts at its checkpoint's version
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()
         # Weight swaps waiting for the running batch to drain, applied in order.

@@ -1,0 +1,529 @@
+"""The embedded trainer: any Hugging Face causal LM, on the CPU or one GPU, trained on recorded samples.
+
+One training step takes the rollouts of a batch of tasks (G per task: a group), drops groups whose
+rewards are all equal (they carry no signal for group-relative estimators) and counts them, gives
+every kept rollout an advantage with veRL's estimator, and runs `mini_batches` AdamW updates over
+its samples, each accumulated over micro-batches that fit a token budget, with gradient clipping.
+Losses and importance weights come from veRL (`openforgerl.rl.algos`).
+
+Current logprobs are recomputed on each sample's own input_ids at `temperature` (1: the engine's
+logprob contract), on the loss positions only. The behaviour logprobs recorded by the gateway are
+the rollout policy; pi_old is the trainer's policy at the start of the step (with one mini-batch
+it equals the current policy, so it is taken from the same forward pass, detached).
+
+After a step, `save` writes an HF checkpoint (model, tokenizer, optimizer, trainer state) and
+`push_weights` loads it into the engine in place, which bumps the policy version the gateway
+records on every later call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import random
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openforgerl.engines.base import Engine
+from openforgerl.rl import algos
+from openforgerl.trajectory import Sample
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per forward/backward pass
+    mini_batches: int = 1  # optimizer updates per step (PPO mini-batches)
+    estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    drop_zero_variance: bool = True
+    loss: algos.LossConfig = field(default_factory=algos.LossConfig)
+    temperature: float = 1.0  # must be the rollouts' sampling temperature
+    seed: int = 0
+    device: str | None = None  # default: cuda when available, else cpu
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
+        d = dict(d)
+        d["loss"] = algos.LossConfig(**d.get("loss", {}))
+        d["betas"] = tuple(d.get("betas", (0.9, 0.999)))
+        return cls(**d)
+
+
+@dataclass
+class Rollout:
+    """One rollout's samples and reward (None: not scored); `group` is its task."""
+
+    group: str
+    reward: float | None
+    samples: list[Sample]
+
+
+def passed(reward: float) -> bool:
+    return reward >= 1.0 - 1e-9
+
+
+def select_groups(
+    rollouts: Sequence[Rollout], drop_zero_variance: bool = True
+) -> tuple[list[Rollout], dict[str, Any]]:
+    """The rollouts worth training on, and counts of what was left out and why."""
+    by_group: dict[str, list[Rollout]] = defaultdict(list)
+    unscored = 0
+    for r in rollouts:
+        if r.reward is None:
+            unscored += 1
+        else:
+            by_group[r.group].append(r)
+    kept: list[Rollout] = []
+    zero_variance = single = 0
+    for members in by_group.values():
+        if len(members) < 2:
+            single += 1  # no group baseline without a second rollout
+        elif drop_zero_variance and len({m.reward for m in members}) == 1:
+            zero_variance += 1
+        else:
+            kept.extend(members)
+    scored = [r.reward for r in rollouts if r.reward is not None]
+    stats = {
+        "rollouts": len(rollouts),
+        "rollouts_unscored": unscored,
+        "groups": len(by_group),
+        "groups_kept": len(by_group) - zero_variance - single,
+        "groups_dropped_zero_variance": zero_variance,
+        "groups_dropped_single": single,
+        "reward_mean": sum(scored) / len(scored) if scored else 0.0,
+        "pass_rate": sum(passed(x) for x in scored) / len(scored) if scored else 0.0,
+    }
+    return kept, stats
+
+
+def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped so that rows x longest row stays within `budget` (a longer row goes alone).
+
+    Rows are taken longest first, so each micro-batch pads little.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+@dataclass
+class _Collated:
+    """A micro-batch on the loss positions only: (B, P) tensors, P = positions any row trains on."""
+
+    ids: torch.Tensor  # (B, L)
+    attention: torch.Tensor  # (B, L)
+    positions: torch.Tensor  # (P,) logits at these positions predict the token after them
+    targets: torch.Tensor  # (B, P)
+    mask: torch.Tensor  # (B, P) float
+    behaviour: torch.Tensor  # (B, P)
+    advantages: torch.Tensor  # (B, P)
+    real_tokens: int
+
+
+def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _Collated:
+    width = max(len(s.input_ids) for s in samples)
+    n = len(samples)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    # Shifted by one: column t is the prediction of token t + 1 from the logits at t.
+    mask = torch.zeros((n, width - 1))
+    behaviour = torch.zeros((n, width - 1))
+    for row, s in enumerate(samples):
+        k = len(s.input_ids)
+        ids[row, :k] = torch.tensor(s.input_ids)
+        attention[row, :k] = 1
+        mask[row, : k - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        behaviour[row, : k - 1] = torch.tensor(s.logprobs[1:])
+    positions = mask.any(0).nonzero().squeeze(-1)
+    advantages = torch.tensor([s.advantage or 0.0 for s in samples])[:, None].expand(n, len(positions))
+    return _Collated(
+        ids=ids.to(device),
+        attention=attention.to(device),
+        positions=positions.to(device),
+        targets=ids[:, positions + 1].to(device),
+        mask=mask[:, positions].to(device),
+        behaviour=behaviour[:, positions].to(device),
+        advantages=advantages.contiguous().to(device),
+        real_tokens=int(attention.sum()),
+    )
+
+
+class Policy:
+    """A causal LM under training: model, tokenizer, AdamW, and logprobs on loss positions."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        temperature: float = 1.0,
+        device: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.manual_seed(seed)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+        # fp32 master weights everywhere; on a GPU the forward runs under bf16 autocast.
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model: Any = model.to(self.device)
+        # Eval mode while training too: dropout would make the recomputed logprobs differ from the
+        # engine's for the same weights, which the importance weights would read as off-policy.
+        self.model.eval()
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas
+        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def collate(self, samples: Sequence[Sample]) -> _Collated:
+        return _collate(samples, self.pad_id, self.device)
+
+    def logprobs(self, batch: _Collated, model: Any = None) -> torch.Tensor:
+        """(B, P) logprobs of the targets at temperature `self.temperature` (gradients enabled)."""
+        model = model or self.model
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        with autocast:
+            if self._keeps_logits:
+                # Only the loss positions go through the LM head: on small models that is half the FLOPs.
+                out = model(
+                    input_ids=batch.ids, attention_mask=batch.attention, logits_to_keep=batch.positions
+                )
+                logits = out.logits
+            else:
+                logits = model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, batch.positions]
+        logits = logits.float() / self.temperature
+        picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
+        return picked - logits.logsumexp(-1)
+
+    @torch.no_grad()
+    def sample_logprobs(self, samples: Sequence[Sample], budget: int = 8192) -> list[list[float]]:
+        """Per sample, the logprob of every token given the ones before it (0.0 for the first token
+        and where the loss mask is 0), aligned with input_ids like `Sample.logprobs`."""
+        out: list[list[float]] = [[0.0] * len(s.input_ids) for s in samples]
+        for chunk in micro_batches([len(s.input_ids) for s in samples], budget):
+            batch = self.collate([samples[i] for i in chunk])
+            lp = self.logprobs(batch)
+            for row, i in enumerate(chunk):
+                for col, pos in enumerate(batch.positions.tolist()):
+                    if batch.mask[row, col]:
+                        out[i][pos + 1] = float(lp[row, col])
+        return out
+
+    def clip_and_step(self, max_grad_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save(self, path: Path, state: dict[str, Any]) -> None:
+        """An HF checkpoint plus optimizer and trainer state, written aside then renamed into place."""
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+
+    def load_optimizer(self, path: Path) -> None:
+        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device))
+
+
+class _Metrics:
+    """Micro-batch metrics folded into one step: sums, extremes, or means weighted by loss tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.extremes: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        for k, v in metrics.items():
+            if not math.isfinite(v):
+                continue
+            if k.endswith("_max"):
+                self.extremes[k] = max(v, self.extremes.get(k, v))
+            elif k.endswith("_min"):
+                self.extremes[k] = min(v, self.extremes.get(k, v))
+            elif k == "loss" or k.endswith("_loss"):  # each micro-batch holds its share of the mini-batch's
+                self.sums[k] += v
+            else:
+                self.sums[k] += v * weight
+                self.weights[k] += weight
+
+    def result(self, updates: int) -> dict[str, float]:
+        out = dict(self.extremes)
+        for k, v in self.sums.items():
+            out[k] = v / self.weights[k] if k in self.weights else v / max(updates, 1)
+        return out
+
+
+class Trainer:
+    """RL on groups of rollouts. `step` counts training steps taken (with or without an update),
+    `policy_version` the updates: the version of the weights the trainer holds."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: TrainerConfig,
+        *,
+        group_size: int,
+        reference_dir: str | Path | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.policy = Policy(
+            model_dir,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=cfg.betas,
+            temperature=cfg.temperature,
+            device=cfg.device,
+            seed=cfg.seed,
+        )
+        self.actor_config = cfg.loss.actor_config(group_size)
+        self.reference: Any = None
+        if cfg.loss.kl_coef > 0:
+            from transformers import AutoModelForCausalLM
+
+            ref_dir = reference_dir or model_dir
+            self.reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+            self.reference.to(self.policy.device).eval().requires_grad_(False)
+        self.step = 0
+        self.policy_version = 0
+
+    @classmethod
+    def resume(
+        cls, checkpoint: Path, cfg: TrainerConfig, *, group_size: int, reference_dir: str | Path
+    ) -> Trainer:
+        """The trainer as `save` left it: weights, optimizer, step and policy version."""
+        trainer = cls(checkpoint, cfg, group_size=group_size, reference_dir=reference_dir)
+        trainer.policy.load_optimizer(checkpoint)
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        trainer.step, trainer.policy_version = int(state["step"]), int(state["policy_version"])
+        return trainer
+
+    def train_step(self, rollouts: Sequence[Rollout]) -> dict[str, Any]:
+        """One step on a batch of groups; returns its metrics (`updated` False when nothing was left
+        to train on, in which case the weights did not change)."""
+        t0 = time.monotonic()
+        kept, metrics = select_groups(rollouts, self.cfg.drop_zero_variance)
+        advantages = algos.outcome_advantages(
+            [float(r.reward or 0.0) for r in kept],
+            [r.group for r in kept],
+            self.cfg.estimator,
+            norm_adv_by_std=self.cfg.norm_adv_by_std,
+        )
+        samples: list[Sample] = []
+        for r, adv in zip(kept, advantages, strict=True):
+            for s in r.samples:
+                s.advantage = adv
+                if s.num_loss_tokens:
+                    samples.append(s)
+        versions = [v for s in samples if (v := s.min_policy_version) is not None]
+        metrics.update(
+            samples=len(samples),
+            advantage_abs_mean=sum(abs(a) for a in advantages) / len(advantages) if advantages else 0.0,
+            staleness_max=self.policy_version - min(versions) if versions else 0,
+        )
+        metrics["time/prepare"] = time.monotonic() - t0
+        self.step += 1
+        metrics["updated"] = bool(samples)
+        if samples:
+            metrics.update(self._update(samples))
+            self.policy_version += 1
+        metrics["policy_version"] = self.policy_version
+        return metrics
+
+    def _update(self, samples: list[Sample]) -> dict[str, float]:
+        cfg = self.cfg
+        order = list(range(len(samples)))
+        random.Random(cfg.seed * 100_003 + self.step).shuffle(order)
+        n_mini = max(1, min(cfg.mini_batches, len(samples)))
+        minis = [[samples[i] for i in order[k::n_mini]] for k in range(n_mini)]
+        old: dict[int, torch.Tensor] = {}
+        t0 = time.monotonic()
+        if n_mini > 1:  # later mini-batches need pi_old from before the first update
+            old = self._old_logprobs(samples)
+        t_old = time.monotonic() - t0
+        agg = _Metrics()
+        grad_norms = []
+        tokens = loss_tokens = padded = 0
+        t1 = time.monotonic()
+        for mini in minis:
+            size = algos.MiniBatchSize(
+                tokens=sum(s.num_loss_tokens for s in mini),
+                sequences=sum(1 for s in mini if s.num_loss_tokens),
+            )
+            for chunk in micro_batches([len(s.input_ids) for s in mini], cfg.micro_batch_tokens):
+                rows = [mini[i] for i in chunk]
+                batch = self.policy.collate(rows)
+                lp = self.policy.logprobs(batch)
+                old_lp = self._gather_old(old, rows, batch) if old else lp.detach()
+                is_weights, corr = algos.importance_weights(old_lp, batch.behaviour, batch.mask, cfg.loss)
+                ref_lp = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_lp = self.policy.logprobs(batch, self.reference)
+                loss, m = algos.policy_loss(
+                    lp,
+                    old_lp,
+                    batch.advantages,
+                    batch.mask,
+                    self.actor_config,
+                    size,
+                    is_weights=is_weights,
+                    ref_logprobs=ref_lp,
+                )
+                loss.backward()
+                weight = float(batch.mask.sum())
+                if ref_lp is not None:
+                    m["kl_ref"] = float(((lp.detach() - ref_lp) * batch.mask).sum()) / max(weight, 1.0)
+                agg.add({**m, **corr, "loss": float(loss.detach())}, weight)
+                tokens += batch.real_tokens
+                padded += batch.ids.numel()
+                loss_tokens += int(weight)
+            grad_norms.append(self.policy.clip_and_step(cfg.max_grad_norm))
+        t_train = time.monotonic() - t1
+        out = agg.result(len(minis))
+        out.update(
+            {
+                # Short names for the dashboards; veRL's own keys stay beside them.
+                "clip_fraction": out.get("actor/pg_clipfrac", 0.0),
+                "kl_behaviour": out.get("rollout_corr/kl", 0.0),
+                "is_weight_mean": out.get("rollout_corr/rollout_is_mean", 1.0),
+                "is_weight_min": out.get("rollout_corr/rollout_is_min", 1.0),
+                "is_weight_max": out.get("rollout_corr/rollout_is_max", 1.0),
+                "grad_norm": sum(grad_norms) / len(grad_norms),
+                "lr": cfg.lr,
+                "optimizer_steps": len(minis),
+                "tokens": tokens,
+                "tokens_padded": padded,
+                "loss_tokens": loss_tokens,
+                "tokens_per_s": tokens / t_train if t_train else 0.0,
+                "time/old_logprobs": t_old,
+                "time/train": t_train,
+            }
+        )
+        return out
+
+    @torch.no_grad()
+    def _old_logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
+        """pi_old per sample (keyed by id()), aligned with input_ids[1:]."""
+        out: dict[int, torch.Tensor] = {}
+        for chunk in micro_batches([len(s.input_ids) for s in samples], self.cfg.micro_batch_tokens):
+            rows = [samples[i] for i in chunk]
+            batch = self.policy.collate(rows)
+            lp = self.policy.logprobs(batch)
+            for row, s in enumerate(rows):
+                full = torch.zeros(len(s.input_ids) - 1, device=lp.device)
+                keep = batch.positions < len(s.input_ids) - 1
+                full[batch.positions[keep]] = lp[row, keep]
+                out[id(s)] = full
+        return out
+
+    @staticmethod
+    def _gather_old(old: dict[int, torch.Tensor], rows: list[Sample], batch: _Collated) -> torch.Tensor:
+        out = torch.zeros_like(batch.mask)
+        for row, s in enumerate(rows):
+            keep = batch.positions < len(s.input_ids) - 1
+            out[row, keep] = old[id(s)][batch.positions[keep]]
+        return out
+
+    def state(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "config": dataclasses.asdict(self.cfg),
+            **extra,
+        }
+
+    def save(self, path: Path, **extra: Any) -> None:
+        self.policy.save(path, self.state(**extra))
+
+    async def push_weights(self, engine: Engine, checkpoint: Path) -> int:
+        """Load `checkpoint` (from `save`) into the engine in place; returns the engine's new version."""
+        return await engine.load_weights(str(checkpoint))
+
+
+def iter_checkpoints(root: Path) -> Iterator[tuple[int, Path]]:
+    """(step, path) of every finished checkpoint under `root` (named step-NNNNNN), oldest first."""
+    if not root.is_dir():
+        return
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit() and (p / STATE_FILE).is_file():
+            found.append((int(p.name[5:]), p))
+    yield from sorted(found)
+
+
+class MetricsLog:
+    """metrics.jsonl in the run dir (one JSON object per step, with a `step` key), mirrored to
+    TensorBoard when the `tensorboard` package is installed."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # optional: TensorBoard is not a dependency
+            pass
+        else:
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def steps(self) -> set[int]:
+        """Steps already logged (to complete, not repeat, the log after a crash)."""
+        if not self.path.is_file():
+            return set()
+        done = set()
+        for line in self.path.read_text().splitlines():
+            try:
+                done.add(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash
+        return done
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        with self.path.open("ab+") as f:
+            torn = False
+            if f.seek(0, 2):
+                f.seek(-1, 2)
+                torn = f.read(1) != b"\n"
+            # A line cut short by a crash stays on its own line, so it never spoils this one.
+            f.write((b"\n" if torn else b"") + json.dumps({"step": step, **metrics}).encode() + b"\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,345 @@
+"""The embedded trainer: veRL's algorithms on hand-computed batches, importance weights, group
+filtering, gradient accumulation, weights pushed into the engine in place, SFT, and a training run
+killed with SIGKILL and resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from openforgerl.engines.base import SamplingParams
+from openforgerl.engines.transformers_engine import TransformersEngine
+from openforgerl.rl import algos
+from openforgerl.rl.sft import SFTConfig, SFTTrainer, chat_sample, oracle_samples
+from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, micro_batches, select_groups
+from openforgerl.trajectory import NO_VERSION, Sample
+
+LOG_1_5, LOG_0_5, LOG_1_1 = math.log(1.5), math.log(0.5), math.log(1.1)
+
+
+# ---- veRL's algorithms, through algos, on hand-computed values ---------------------------------
+
+
+def test_grpo_rloo_and_dr_grpo_advantages() -> None:
+    rewards, groups = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0], ["a", "a", "a", "a", "b", "b"]
+    # Group a: mean 0.75, sample std 0.5; group b: mean 0.5, std sqrt(0.5).
+    grpo = algos.outcome_advantages(rewards, groups, "grpo")
+    assert grpo == pytest.approx([0.5, -1.5, 0.5, 0.5, -1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-5)
+    dr_grpo = algos.outcome_advantages(rewards, groups, "grpo", norm_adv_by_std=False)
+    assert dr_grpo == pytest.approx([0.25, -0.75, 0.25, 0.25, -0.5, 0.5])
+    # RLOO: the reward minus the mean of the other G - 1 rollouts.
+    rloo = algos.outcome_advantages(rewards, groups, "rloo")
+    assert rloo == pytest.approx([1 / 3, -1.0, 1 / 3, 1 / 3, -1.0, 1.0])
+    with pytest.raises(ValueError, match="choose from"):
+        algos.outcome_advantages(rewards, groups, "gae")
+
+
+def test_vanilla_ppo_loss_and_clip_fraction_by_hand() -> None:
+    old = torch.zeros(2, 3)
+    lp = torch.tensor([[LOG_1_5, LOG_0_5, 0.0], [LOG_1_1, 0.0, 0.0]])
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    cfg = algos.LossConfig().actor_config(group_size=2)
+    # Per token: -min(r A, clip(r, 0.8, 1.2) A): -1.2 (clipped), -0.5, 1.1, 1, 1; token mean over 5.
+    loss, metrics = algos.policy_loss(lp, old, adv, mask, cfg, algos.MiniBatchSize(tokens=5, sequences=2))
+    assert float(loss) == pytest.approx(1.4 / 5, abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 5)
+    # Micro-batches normalised by the whole mini-batch add up to its loss.
+    parts = [
+        algos.policy_loss(
+            lp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], cfg, algos.MiniBatchSize(5, 2)
+        )[0]
+        for i in range(2)
+    ]
+    assert float(sum(parts)) == pytest.approx(float(loss), abs=1e-6)
+    # Importance weights scale each token's loss.
+    weights = torch.tensor([[1.0, 2.0, 0.0], [1.0, 1.0, 0.0]])
+    weighted, _ = algos.policy_loss(lp, old, adv, mask, cfg, algos.MiniBatchSize(5, 2), is_weights=weights)
+    assert float(weighted) == pytest.approx((-1.2 - 1.0 + 1.1 + 1.0) / 5, abs=1e-6)
+
+
+def test_kl_to_reference_and_sft_loss_by_hand() -> None:
+    lp = torch.tensor([[LOG_0_5, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    cfg = algos.LossConfig(kl_coef=0.5).actor_config(group_size=2)
+    zero_adv = torch.zeros(1, 2)
+    loss, metrics = algos.policy_loss(
+        lp, lp.detach(), zero_adv, mask, cfg, algos.MiniBatchSize(1, 1), ref_logprobs=torch.zeros(1, 2)
+    )
+    # low_var_kl (k3): with d = ref - lp = log 2, exp(d) - d - 1 = 1 - log 2.
+    assert metrics["actor/kl_loss"] == pytest.approx(1 - math.log(2), abs=1e-6)
+    assert float(loss) == pytest.approx(0.5 * (1 - math.log(2)), abs=1e-6)
+    assert (
+        float(algos.sft_loss(torch.tensor([[-1.0, -3.0, -7.0]]), torch.tensor([[1.0, 1.0, 0.0]]), 4)) == 1.0
+    )
+
+
+def test_truncated_importance_weights() -> None:
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 3)
+    weights, metrics = algos.importance_weights(old, old.clone(), mask, algos.LossConfig())
+    assert weights is not None and torch.allclose(weights, torch.ones(1, 3))
+    behaviour = old - torch.tensor([[math.log(3.0), 0.0, -math.log(2.0)]])  # ratios 3, 1, 0.5
+    weights, metrics = algos.importance_weights(old, behaviour, mask, algos.LossConfig(tis_threshold=2.0))
+    assert weights is not None and weights[0].tolist() == pytest.approx([2.0, 1.0, 0.5])
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    off, _ = algos.importance_weights(old, behaviour, mask, algos.LossConfig(tis=None))
+    assert off is None
+
+
+# ---- the trainer -------------------------------------------------------------------------------
+
+
+def sample(prompt: list[int], completion: list[int], logprobs: list[float], rollout_id: str = "r") -> Sample:
+    n = len(completion)
+    return Sample(
+        rollout_id=rollout_id,
+        reward=0.0,
+        branch_id=0,
+        branch_reason="",
+        input_ids=prompt + completion,
+        loss_mask=[0] * len(prompt) + [1] * n,
+        logprobs=[0.0] * len(prompt) + logprobs,
+        policy_versions=[NO_VERSION] * len(prompt) + [0] * n,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine_and_prompts(tiny_model_dir: Path) -> Any:
+    """A running engine on the tiny model and two sampled (prompt, completion, logprobs) triples."""
+    engine = TransformersEngine(tiny_model_dir)
+    prompts = [engine.tokenizer.encode("Read a.txt and b.txt."), engine.tokenizer.encode("Hello there")]
+
+    async def go() -> list[Any]:
+        await engine.start()
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+        return list(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))
+
+    results = asyncio.run(go())
+    yield engine, [(p, r.completion_ids, r.logprobs) for p, r in zip(prompts, results, strict=True)]
+    asyncio.run(engine.close())
+
+
+def rollouts_from(triples: list[Any], rewards: list[float]) -> list[Rollout]:
+    """Each triple as one task's group of len(rewards) rollouts (identical samples, given rewards)."""
+    out = []
+    for t, (prompt, completion, lps) in enumerate(triples):
+        for k, reward in enumerate(rewards):
+            out.append(Rollout(f"task{t}", reward, [sample(prompt, completion, lps, f"t{t}-{k}")]))
+    return out
+
+
+def test_zero_variance_groups_are_dropped_and_counted(tiny_model_dir: Path, engine_and_prompts: Any) -> None:
+    _, triples = engine_and_prompts
+    p, c, lp = triples[0]
+    rollouts = [
+        Rollout("same", 1.0, [sample(p, c, lp)]),
+        Rollout("same", 1.0, [sample(p, c, lp)]),
+        Rollout("mixed", 1.0, [sample(p, c, lp)]),
+        Rollout("mixed", 0.0, [sample(p, c, lp)]),
+        Rollout("alone", 1.0, [sample(p, c, lp)]),
+        Rollout("mixed", None, [sample(p, c, lp)]),  # not scored (infrastructure failure)
+    ]
+    kept, stats = select_groups(rollouts)
+    assert [r.group for r in kept] == ["mixed", "mixed"]
+    assert stats["groups_dropped_zero_variance"] == 1 and stats["groups_dropped_single"] == 1
+    assert stats["rollouts_unscored"] == 1 and stats["groups_kept"] == 1
+    assert stats["pass_rate"] == pytest.approx(4 / 5)
+
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=1e-2), group_size=2)
+    before = [t.clone() for t in trainer.policy.model.parameters()]
+    metrics = trainer.train_step(rollouts[:2])  # only the zero-variance group
+    assert metrics["updated"] is False and metrics["groups_dropped_zero_variance"] == 1
+    assert trainer.policy_version == 0 and trainer.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.model.parameters(), strict=True))
+
+
+def test_importance_weights_are_one_when_behaviour_matches(
+    tiny_model_dir: Path, engine_and_prompts: Any
+) -> None:
+    """The engine's sampled logprobs are the trainer's own: pi_old / pi_behaviour = 1 on every token."""
+    _, triples = engine_and_prompts
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=1e-3), group_size=2)
+    metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+    assert metrics["updated"] is True and metrics["policy_version"] == 1
+    assert metrics["is_weight_min"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["is_weight_max"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(metrics["kl_behaviour"]) < 1e-4
+    assert metrics["clip_fraction"] == 0.0  # one update per step: pi_old is the current policy
+    assert metrics["loss_tokens"] == 2 * sum(len(c) for _, c, _ in triples)
+
+
+def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engine_and_prompts: Any) -> None:
+    _, triples = engine_and_prompts
+    params = []
+    for budget in (10_000, 1):  # everything in one pass / one sequence per pass
+        torch.manual_seed(0)
+        trainer = Trainer(tiny_model_dir, TrainerConfig(micro_batch_tokens=budget), group_size=2)
+        # Plain SGD: the update is the (clipped) gradient itself; Adam's first step is sign-like.
+        trainer.policy.optimizer = torch.optim.SGD(trainer.policy.model.parameters(), lr=1.0)
+        trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+        params.append(torch.cat([p.detach().flatten() for p in trainer.policy.model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-5)
+    assert micro_batches([5, 3, 9, 2], 10) == [[2], [0, 1], [3]]
+
+
+def test_engine_logprobs_equal_the_trainers_after_a_step(
+    tiny_model_dir: Path, engine_and_prompts: Any, tmp_path: Path
+) -> None:
+    engine, triples = engine_and_prompts
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=5e-3), group_size=2)
+    metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+    trainer.save(tmp_path / "ckpt", metrics=metrics)
+    start = engine.policy_version
+    assert asyncio.run(trainer.push_weights(engine, tmp_path / "ckpt")) == start + 1
+    prompt, old_completion, old_lps = triples[0]
+
+    async def regenerate() -> Any:
+        return await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=7))
+
+    result = asyncio.run(regenerate())
+    assert result.policy_version == start + 1
+    new = sample(prompt, result.completion_ids, result.logprobs)
+    recomputed = trainer.policy.sample_logprobs([new])[0][len(prompt) :]
+    assert recomputed == pytest.approx(result.logprobs, abs=1e-4)
+    # And the weights did change: the old completion scores differently now.
+    old = trainer.policy.sample_logprobs([sample(prompt, old_completion, old_lps)])[0][len(prompt) :]
+    assert max(abs(a - b) for a, b in zip(old, old_lps, strict=True)) > 1e-3
+    saved = json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
+    assert saved["step"] == 1 and saved["policy_version"] == 1
+    assert {"model.safetensors", "optimizer.pt", "tokenizer.json"} <= {
+        p.name for p in (tmp_path / "ckpt").iterdir()
+    }
+
+
+# ---- SFT -------------------------------------------------------------------------------------
+
+
+def test_chat_sample_masks_assistant_turns_only(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    call = {"type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.txt"}'}}
+    messages = [
+        {"role": "user", "content": "Read a.txt."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "17"},
+        {"role": "assistant", "content": "It says 17."},
+    ]
+    s = chat_sample(messages, None, tok)
+    trained = tok.decode([i for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
+    call_text = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
+    assert trained == f"{call_text}<|im_end|>It says 17.<|im_end|>"
+
+
+def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
+    samples = oracle_samples(tiny_model_dir, tmp_path / "teacher", limit=2, concurrency=2, progress=False)
+    assert len(samples) == 2  # one merged sequence per solved task
+    trainer = SFTTrainer(tiny_model_dir, SFTConfig(lr=3e-3, epochs=4, batch_size=2))
+    tool_calls = trainer.policy.tokenizer.decode(
+        [i for i, m in zip(samples[0].input_ids, samples[0].loss_mask, strict=True) if m]
+    )
+    assert tool_calls.count("<tool_call>") >= 3 and '"name": "submit"' in tool_calls
+    summary = trainer.fit(samples, tmp_path / "student", progress=False)
+    assert summary["loss_after"] < summary["loss_before"] - 0.5
+    lines = [json.loads(x) for x in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert (tmp_path / "student" / "model.safetensors").is_file()
+
+
+def test_metrics_log_survives_a_torn_line(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path)
+    log.write(1, {"loss": 1.0})
+    with log.path.open("a") as f:
+        f.write('{"step": 2, "lo')  # killed mid-write
+    log.write(2, {"loss": 0.5})
+    assert log.steps() == {1, 2}
+
+
+# ---- the loop: kill -9 and resume ----------------------------------------------------------------
+
+
+def _done_rollouts(runner_db: Path) -> dict[str, str]:
+    if not runner_db.exists():
+        return {}
+    with sqlite3.connect(runner_db) as db:
+        try:
+            rows = db.execute("SELECT key, gateway_rollout_id FROM rollouts WHERE status='done'").fetchall()
+        except sqlite3.OperationalError:  # the runner has created the file but not its table yet
+            return {}
+    return dict(rows)
+
+
+def test_train_resumes_after_sigkill_without_losing_or_repeating_rollouts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    steps, tasks, group = 2, 1, 2
+    argv = [
+        sys.executable,
+        "-m",
+        "openforgerl.cli",
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--out",
+        str(run),
+    ]
+    argv += ["--steps", str(steps), "--batch-tasks", str(tasks), "--group", str(group), "--lr", "1e-3"]
+    # A random model never earns a reward: train on the (all-zero) groups anyway, so versions advance.
+    argv += ["--max-tokens", "12", "--max-turns", "2", "--concurrency", "1", "--keep-zero-variance"]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(
+        argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    step2 = run / "steps" / "000002" / "runner.db"
+    deadline = time.monotonic() + 120
+    try:
+        while not _done_rollouts(step2):  # kill it in the middle of step 2
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "step 2 never started"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kept = _done_rollouts(step2)
+    assert 0 < len(kept) < tasks * group
+    done = subprocess.run(
+        [sys.executable, "-m", "openforgerl.cli", "train", "--out", str(run), "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{steps} steps, policy version {steps}" in done.stdout
+    for step in range(1, steps + 1):
+        finished = _done_rollouts(run / "steps" / f"{step:06d}" / "runner.db")
+        assert len(finished) == tasks * group
+    after = _done_rollouts(step2)
+    assert {k: after[k] for k in kept} == kept  # finished before the kill: kept, not run again
+    with sqlite3.connect(run / "gateway.db") as db:
+        closed = db.execute("SELECT run_id, task_id, metadata FROM rollouts WHERE status='closed'").fetchall()
+        versions = db.execute(
+            "SELECT r.run_id, MIN(c.policy_version), MAX(c.policy_version) FROM calls c"
+            " JOIN rollouts r ON r.id = c.rollout_id WHERE r.status='closed' GROUP BY r.run_id"
+        ).fetchall()
+    keys = [(r, t, json.loads(m)["sample"]) for r, t, m in closed]
+    assert len(keys) == len(set(keys)) == steps * tasks * group  # no rollout scored twice
+    # Step k's rollouts were sampled by the weights of step k - 1, before the kill and after.
+    assert sorted(versions) == [(f"run-step{k}", k - 1, k - 1) for k in range(1, steps + 1)]
+    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))
