@@ -688,10 +688,11 @@ class LocalSandbox:
         if self._bridged and not python.startswith("/usr/"):
             prefix = os.path.realpath(sys.base_prefix)
             binds.append((prefix, prefix))
-        for src, dst in binds:
-            args += ["--ro-bind", src, dst]
         args += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self._dir / "work"), INSIDE_WORKDIR]
         args += ["--bind", str(self._dir / "home"), INSIDE_HOME, "--bind", str(self._dir / "tmp"), "/tmp"]
+        # After /tmp and HOME: a bind below them (a venv checked out under /tmp) must stay visible.
+        for src, dst in binds:
+            args += ["--ro-bind", src, dst]
         args += ["--ro-bind", str(run), INSIDE_RUN, "--remount-ro", "/", "--chdir", cwd, "--"]
         if self._bridged:
             args += [python, "-I", "-S", f"{INSIDE_RUN}/bridge.py", str(self._inner_port)]
