@@ -91,7 +91,7 @@ HARNESS_CACHE ?= $(HOME)/.cache/openforgerl/harnesses
 .PHONY: test-harnesses
 test-harnesses: $(STAMP)
 	$(BIN)/openforge harness install all --cache $(HARNESS_CACHE)
-	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py tests/test_runner_harness.py
 
 ## The viewer (`openforge view`) in a real browser: tests/test_ui.py, marker `ui`. Debian's Chromium
 ## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver
