@@ -3,8 +3,8 @@
 Measures, in one run:
 1. sandbox start-to-ready latency, bwrap vs plain subprocess (median of N);
 2. rollouts per minute at concurrency 1, 8 and 32: the built-in ReAct harness on `tools-tiny` in
-   local sandboxes, through an embedded gateway whose engine is a SCRIPTED fast policy playing the
-   tools-tiny oracle (no model time, so what remains is the runner, sandboxes, harness and gateway);
+   local sandboxes, through an embedded gateway whose engine plays the tools-tiny ORACLE
+   (`rl.oracle_teacher`): no model time, so what remains is the runner, sandboxes, harness, gateway;
 3. the split of a rollout's wall time: gateway session, sandbox start, harness (the agent process,
    which includes its model calls), verifier, stop/close — and the runner's own overhead (everything
    that is neither the harness nor the verifier) as a share of the rollout's wall time.
@@ -26,36 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.modelkit import cached_model
+from openforgerl.rl.oracle_teacher import OracleTeacherEngine
 from openforgerl.runner import Runner, RunnerConfig, Status, react_harness
 from openforgerl.sandbox import SandboxSpec
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
-from openforgerl.tasks.suites.tools_tiny import oracle
-from openforgerl.testing.scripted_engine import ScriptedEngine, ScriptRequest
-
-
-def oracle_policy(model_dir: Path, tasks: list[Task]) -> ScriptedEngine:
-    """A SCRIPTED engine playing the tools-tiny oracle: read, write, submit (benchmarks only)."""
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    by_instruction = {t.instruction: t for t in tasks}
-
-    def step(req: ScriptRequest) -> list[int]:
-        text = tok.decode(req.prompt_ids)
-        task = next(t for i, t in by_instruction.items() if i in text)
-        solution = oracle(task)
-        done = text.count("<tool_response>")
-        if done < len(solution.calls):
-            reply = solution.calls[done].text()
-        else:
-            reply = '<tool_call>\n{"name": "submit", "arguments": {"answer": "done"}}\n</tool_call>'
-        return [*tok.encode(reply, add_special_tokens=False), end]
-
-    return ScriptedEngine(script=step, eos_token_id=end)
 
 
 async def start_latency(backend: LocalBackend, n: int, network: bool, gateway: str) -> float:
@@ -108,10 +85,9 @@ def main() -> None:
     levels = [1, 4] if args.quick else [1, 8, 32]
     starts = 5 if args.quick else 20
     model = cached_model("tiny", 0)
-    # The scripted policy recognises a task by its instruction: keep tasks whose instruction is unique.
-    tasks = list({t.instruction: t for t in load_tasks("tools-tiny", split="train")}.values())
+    tasks = load_tasks("tools-tiny", split="train")
     with tempfile.TemporaryDirectory() as tmp:
-        engine = oracle_policy(model, tasks)
+        engine = OracleTeacherEngine(model, tasks)
         cfg = GatewayConfig(model=str(model), port=0, store=f"{tmp}/gw.db", max_tokens=128)
         with serve_in_thread(cfg, engine) as gw:
             report: dict[str, Any] = {"sandbox_start_ms_median": {}, "throughput": []}

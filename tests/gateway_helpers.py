@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from openforgerl.engines.base import EngineUnavailable, GenerateResult, SamplingParams
 from openforgerl.gateway.server import GatewayConfig
 from openforgerl.testing.gateway import RunningGateway, gateway_thread
+from openforgerl.testing.scripted_engine import text_reply
 
 
 class ScriptEngine:
@@ -56,14 +57,7 @@ class ScriptEngine:
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        ids = self.tokenizer.encode(self.script(prompt_ids), add_special_tokens=False)
-        ids = ids[: sampling.max_tokens]
-        if len(ids) < sampling.max_tokens:
-            ids.append(self.end_id)
-            finish, reason = "stop", self.end_id
-        else:
-            finish, reason = "length", None
-        return GenerateResult(ids, [-0.5] * len(ids), finish, self._version, reason)  # type: ignore[arg-type]
+        return text_reply(self.tokenizer, self.end_id, self.script(prompt_ids), sampling, self._version, -0.5)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.gateway.dialects.anthropic import AnthropicMessages, parse_request, stream_error
 from openforgerl.gateway.errors import GatewayError, context_length_exceeded
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
+from tests.strategies import json_values as json_values_of
 
 BASH: Any = {
     "name": "Bash",
@@ -510,20 +511,7 @@ def test_real_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 # -- fuzzing ---------------------------------------------------------------------------------
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**40), 2**40)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=30)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=20,
-)
+json_values = json_values_of()
 cache = {"cache_control": st.just({"type": "ephemeral"})}
 text_block = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}, optional=cache)
 odd_block = st.fixed_dictionaries(

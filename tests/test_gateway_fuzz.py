@@ -13,21 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.gateway_helpers import ScriptEngine, new_rollout, running_gateway
+from tests.strategies import json_values as json_values_of
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**40), 2**40)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=30)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=20,
-)
+json_values = json_values_of()
 roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "bogus", 3, None])
 content = (
     st.none()

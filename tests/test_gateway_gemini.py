@@ -22,6 +22,7 @@ from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.gateway import http
 from openforgerl.gateway.dialects.gemini import DECLINED_TOOLS_HEADER, Gemini, parse_request
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
+from tests.strategies import json_values as json_values_of
 
 CLI_MODEL = "gemini-3.1-pro-preview"
 ROUTER_MODEL = "gemini-3.5-flash-lite"
@@ -581,20 +582,7 @@ def test_real_tiny_model_through_the_sdk(tiny_model_dir: Path, tmp_path: Path) -
 
 # -- property-based fuzzing ------------------------------------------------------------------
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=30)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=20,
-)
+json_values = json_values_of(2**70)
 part = st.fixed_dictionaries(
     {},
     optional={

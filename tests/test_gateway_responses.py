@@ -25,6 +25,7 @@ from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.gateway.dialects import responses as responses_dialect
 from openforgerl.gateway.dialects.responses import Context, Contexts, ToolSet
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
+from tests.strategies import json_values as json_values_of
 
 EXEC: Any = {
     "type": "function",
@@ -421,20 +422,7 @@ def test_real_tiny_model_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert_one_branch(calls)
 
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**40), 2**40)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=20)
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
-    ),
-    max_leaves=12,
-)
+json_values = json_values_of()
 texts = st.text(max_size=20)
 names = st.text(min_size=1, max_size=8)
 text_parts = st.lists(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import statistics
 import sys
 import threading
 import time
@@ -406,31 +405,3 @@ def test_fallback_runs_without_isolation_and_says_so(
     r = run(with_sandbox(plain, SandboxSpec(), "plain-run", body))
     work, home = r.stdout.splitlines()
     assert work.endswith("/work") and home.endswith("/home") and r.ok
-
-
-def test_start_latency(bwrap: LocalBackend, plain: LocalBackend, capsys: pytest.CaptureFixture[str]) -> None:
-    """Start-to-ready (start() returns after a first command ran) and one exec; reported, not asserted."""
-
-    async def measure(backend: LocalBackend, spec: SandboxSpec) -> tuple[float, float]:
-        starts, execs = [], []
-        for i in range(20):
-            sb = backend.create(spec, f"lat-{backend.isolation}-{i}")
-            t = time.perf_counter()
-            await sb.start()
-            starts.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            await sb.exec(["true"])
-            execs.append(time.perf_counter() - t)
-            await sb.stop()
-        return statistics.median(starts) * 1000, statistics.median(execs) * 1000
-
-    gw = SandboxSpec(network="gateway", gateway_url="http://127.0.0.1:9", ro_binds=PY_BINDS)
-    rows = {
-        "bwrap": run(measure(bwrap, SandboxSpec())),
-        "bwrap+gateway bridge": run(measure(bwrap, gw)),
-        "plain subprocess": run(measure(plain, SandboxSpec())),
-    }
-    with capsys.disabled():
-        print("\nsandbox latency, median of 20 (ms):")
-        for label, (start, one) in rows.items():
-            print(f"  {label:22} start-to-ready {start:6.1f}   exec(true) {one:6.1f}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -20,6 +22,18 @@ class ToolCall:
     # The parsed JSON object; the raw string when the caller sent arguments that are not JSON.
     arguments: dict[str, Any] | str
     id: str = ""
+
+
+def parse_arguments(raw: str | dict[str, Any]) -> dict[str, Any] | str:
+    """Tool-call arguments as a dialect sent them: the JSON object, or the raw string when it is not
+    one (kept as the harness sent it; the template renders it verbatim)."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        parsed = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        return raw
+    return parsed if isinstance(parsed, dict) else raw
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from openforgerl.gateway.server import free_port
 
 ADMIN = "demo-admin-token"
 TOOLS: Any = [
@@ -33,12 +34,6 @@ TOOLS: Any = [
         },
     }
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:

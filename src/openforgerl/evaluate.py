@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -156,7 +157,9 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
             "training": stats.as_dict() if stats else None,
         },
         "seconds": round(time.monotonic() - t0, 1),
-        "seconds_per_rollout_median": _median([r.seconds.get("total", 0.0) for r in results]),
+        "seconds_per_rollout_median": round(
+            statistics.median([r.seconds.get("total", 0.0) for r in results] or [0.0]), 2
+        ),
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "report.json").write_text(json.dumps(report, indent=2))
@@ -179,11 +182,6 @@ def run_and_write_trajectories(opts: EvalOptions, engine: Engine | None = None) 
                 f.write(json.dumps(row) + "\n")
                 n_samples += 1
     return {"rollouts": len(results), "samples": n_samples, "path": str(path)}
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return round(values[len(values) // 2], 2) if values else 0.0
 
 
 def _markdown(report: dict[str, Any], summary_md: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from openforgerl.engines.base import EngineError, GenerateResult, SamplingParams
 from openforgerl.tasks import Task
 from openforgerl.tasks.suites.tools_tiny import oracle
+from openforgerl.testing.scripted_engine import text_reply
 
 _RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 
@@ -85,9 +86,6 @@ class OracleTeacherEngine:
         return [task.files[n].strip() for n in names] == seen[: len(names)]
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
-        text = self.reply(self.tokenizer.decode(prompt_ids))
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens]
-        if len(ids) < sampling.max_tokens:
-            ids.append(self.end_id)
-            return GenerateResult(ids, [0.0] * len(ids), "stop", 0, self.end_id)
-        return GenerateResult(ids, [0.0] * len(ids), "length", 0, None)
+        return text_reply(
+            self.tokenizer, self.end_id, self.reply(self.tokenizer.decode(prompt_ids)), sampling, 0
+        )

@@ -448,18 +448,6 @@ class Store:
         )
         return [_call_from_row(r) for r in rows]
 
-    async def next_call_seq(self, rollout_id: str) -> int:
-        rows = await self._read(
-            "SELECT COALESCE(MAX(seq), -1) + 1 AS n FROM calls WHERE rollout_id=?", (rollout_id,)
-        )
-        return int(rows[0]["n"])
-
-    async def max_branch_id(self, rollout_id: str) -> int:
-        rows = await self._read(
-            "SELECT COALESCE(MAX(branch_id), -1) AS n FROM calls WHERE rollout_id=?", (rollout_id,)
-        )
-        return int(rows[0]["n"])
-
     @staticmethod
     def full_prompts(calls: Sequence[CallRow]) -> dict[int, list[int]]:
         """Rebuild each call's full prompt ids from the prefix references (calls in seq order)."""

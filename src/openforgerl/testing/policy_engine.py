@@ -26,6 +26,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from openforgerl.engines.base import GenerateResult, SamplingParams
+from openforgerl.testing.scripted_engine import text_reply
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SYSTEM_START = "<|im_start|>system\n"
@@ -195,8 +196,4 @@ class ScriptedPolicyEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
         prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         self.prompts.append(prompt)
-        ids = self.tokenizer.encode(self.reply(prompt), add_special_tokens=False)[: sampling.max_tokens]
-        if len(ids) < sampling.max_tokens:
-            ids.append(self.end_id)
-            return GenerateResult(ids, [0.0] * len(ids), "stop", self._version, self.end_id)
-        return GenerateResult(ids, [0.0] * len(ids), "length", self._version)
+        return text_reply(self.tokenizer, self.end_id, self.reply(prompt), sampling, self._version)

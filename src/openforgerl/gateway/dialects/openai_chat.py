@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.errors import GatewayError, bad_request
 from openforgerl.gateway.http import JSONResponse
@@ -107,16 +107,6 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
     return "".join(parts)
 
 
-def _arguments(raw: str | dict[str, Any]) -> dict[str, Any] | str:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        parsed = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError:
-        return raw  # kept as the harness sent it; the template renders it verbatim
-    return parsed if isinstance(parsed, dict) else raw
-
-
 def parse_request(body: bytes) -> tuple[Conversation, ChatCompletionRequest]:
     """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
     try:
@@ -133,7 +123,7 @@ def parse_request(body: bytes) -> tuple[Conversation, ChatCompletionRequest]:
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
         calls = [
-            ToolCall(c.function.name, _arguments(c.function.arguments), c.id) for c in m.tool_calls or []
+            ToolCall(c.function.name, parse_arguments(c.function.arguments), c.id) for c in m.tool_calls or []
         ]
         messages.append(
             Message(

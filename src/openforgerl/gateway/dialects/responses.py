@@ -47,7 +47,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
 from openforgerl.gateway.core import CallOutcome, PreparedCall, Session
 from openforgerl.gateway.dialects.openai_chat import error_body
 from openforgerl.gateway.errors import GatewayError, bad_request
@@ -190,16 +190,6 @@ def _text(content: str | list[Part], where: str) -> str:
     return "".join(texts)
 
 
-def _arguments(raw: str | dict[str, Any]) -> dict[str, Any] | str:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        parsed = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError:
-        return raw  # kept as the harness sent it; the template renders it verbatim
-    return parsed if isinstance(parsed, dict) else raw
-
-
 def flat_name(namespace: str, name: str) -> str:
     """The name the model sees for a function inside a namespace tool (Codex's own scheme)."""
     return f"{namespace}{name}" if namespace.endswith(("__", "/")) else f"{namespace}__{name}"
@@ -245,7 +235,7 @@ def input_messages(items: str | list[Any] | None) -> list[Message]:
                 messages.append(Message(role="user" if item.role == "user" else "system", content=text))
         elif isinstance(item, FunctionCallItem):
             name = flat_name(item.namespace, item.name) if item.namespace else item.name
-            call = ToolCall(name, _arguments(item.arguments), item.call_id)
+            call = ToolCall(name, parse_arguments(item.arguments), item.call_id)
             _assistant(messages, new_turn_if_answered=False).tool_calls.append(call)
         elif isinstance(item, FunctionCallOutputItem):
             text = _text(item.output, f"{where}.output")
