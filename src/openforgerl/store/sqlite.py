@@ -282,10 +282,28 @@ class Store:
     def _commit_batch(
         self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any] | None]]
     ) -> None:
+        results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]
+        try:
+            # The common case: every operation succeeds, one transaction, no per-operation cost.
+            conn.execute("BEGIN IMMEDIATE")
+            results = [(fut, op(conn), None) for op, fut in batch]
+            conn.execute("COMMIT")
+        except Exception:
+            with contextlib.suppress(Exception):
+                conn.execute("ROLLBACK")
+            results = self._commit_one_by_one(conn, batch)
+        for fut, value, error in results:
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, value, error)
+
+    @staticmethod
+    def _commit_one_by_one(
+        conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any] | None]]
+    ) -> list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]]:
+        """The batch again, a savepoint per operation: a bad one fails alone, the rest commit."""
         results: list[tuple[asyncio.Future[Any] | None, Any, BaseException | None]] = []
         conn.execute("BEGIN IMMEDIATE")
         for op, fut in batch:
-            # A savepoint per operation: one bad operation fails alone, the batch still commits.
             conn.execute("SAVEPOINT op")
             try:
                 results.append((fut, op(conn), None))
@@ -300,9 +318,7 @@ class Store:
             with contextlib.suppress(Exception):
                 conn.execute("ROLLBACK")
             results = [(fut, None, commit_error) for fut, _, _ in results]
-        for fut, value, error in results:
-            if fut is not None:
-                fut.get_loop().call_soon_threadsafe(_resolve, fut, value, error)
+        return results
 
     async def _write(self, op: _Op) -> Any:
         if self._closed:
