@@ -161,6 +161,9 @@ class GatewayCore:
         existing = self._by_id.get(row.id)
         if existing is not None:
             return existing
+        if row.status != "open":
+            # A closed rollout takes no calls: its row is all an admin update or a refusal needs.
+            return Session(row, TokenMemory(self.renderer), self.policy.merged(row.sampling))
         memory = TokenMemory(self.renderer)
         calls = await self.store.calls(row.id)
         prompts = Store.full_prompts(calls)
