@@ -720,7 +720,8 @@ def test_reload_of_a_tied_embedding(
 def test_reload_during_generation_is_flagged(vllm_server: Server, prompt: list[int]) -> None:
     async def go(eng: VLLMEngine) -> tuple[GenerateResult, int]:
         task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=1500, seed=1)))
-        await asyncio.sleep(0.5)
+        # Reload while it generates: an idle CPU samples the 1,500 tokens in under a second.
+        await asyncio.sleep(0.05)
         version = await eng.load_weights(str(vllm_server.model_dir))  # same weights, new version
         return await task, version
 
