@@ -81,7 +81,7 @@ def check_answer(r: httpx.Response) -> None:
         assert isinstance(err["message"], str) and isinstance(err["type"], str)
         return
     if r.headers["content-type"].startswith("text/event-stream"):
-        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         for e in events[:-1]:
             assert orjson.loads(e)["object"] == "chat.completion.chunk"

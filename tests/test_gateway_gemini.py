@@ -80,7 +80,7 @@ def cli_body(contents: list[Any]) -> dict[str, Any]:
 def sse_events(r: httpx.Response) -> list[dict[str, Any]]:
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/event-stream")
-    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: ")]
 
 
 def sdk_parts(chunk: types.GenerateContentResponse) -> list[types.Part]:

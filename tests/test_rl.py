@@ -22,8 +22,25 @@ import torch
 from openforgerl.engines.base import SamplingParams
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.rl import algos
+from openforgerl.rl.loop import (
+    Prefetcher,
+    StepRollouts,
+    TrainOptions,
+    _train_on,
+    lag_bound,
+    load_options,
+    train,
+)
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, chat_sample, oracle_samples
-from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, micro_batches, select_groups
+from openforgerl.rl.trainer import (
+    MetricsLog,
+    Rollout,
+    Trainer,
+    TrainerConfig,
+    iter_checkpoints,
+    micro_batches,
+    select_groups,
+)
 from openforgerl.trajectory import NO_VERSION, Sample
 
 LOG_1_5, LOG_0_5, LOG_1_1 = math.log(1.5), math.log(0.5), math.log(1.1)
@@ -343,3 +360,213 @@ def test_train_resumes_after_sigkill_without_losing_or_repeating_rollouts(
     assert sorted(versions) == [(f"run-step{k}", k - 1, k - 1) for k in range(1, steps + 1)]
     logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, steps + 1))
+
+
+# ---- overlap of rollouts and training ----------------------------------------------------------
+
+
+def _versioned(group: str, versions_per_sample: list[list[int]]) -> Rollout:
+    """A rollout whose samples' loss tokens carry these policy versions."""
+    samples = [
+        Sample(
+            rollout_id=group,
+            reward=1.0,
+            branch_id=0,
+            branch_reason="",
+            input_ids=[1] * (1 + len(vs)),
+            loss_mask=[0] + [1] * len(vs),
+            logprobs=[0.0] * (1 + len(vs)),
+            policy_versions=[NO_VERSION, *vs],
+        )
+        for vs in versions_per_sample
+    ]
+    return Rollout(group, 1.0, samples)
+
+
+def test_lag_bound_keeps_rollouts_within_max_lag_and_measures_the_lag() -> None:
+    rollouts = [
+        _versioned("a", [[5, 5]]),
+        _versioned("a", [[4, 5]]),  # the call before the push came from version 4: lag 1
+        _versioned("b", [[5], [3, 4]]),  # one sample lags by 2: the whole rollout goes
+        _versioned("b", [[NO_VERSION]]),  # an engine that reports no version: counted as current
+    ]
+    kept, m = lag_bound(rollouts, version=5, max_lag=1)
+    assert kept == [rollouts[0], rollouts[1], rollouts[3]]
+    assert m["lag/dropped_rollouts"] == 1 and m["lag/max"] == 1
+    assert m["lag/histogram"] == {"0": 2, "1": 1}
+    # Over the 5 kept loss tokens: one from version 4.
+    assert m["lag/mean"] == pytest.approx(1 / 5) and m["lag/stale_token_fraction"] == pytest.approx(1 / 5)
+    kept, m = lag_bound(rollouts, version=5, max_lag=2)
+    assert kept == rollouts and m["lag/dropped_rollouts"] == 0
+    assert m["lag/histogram"] == {"0": 3, "1": 1, "2": 1}
+
+
+def test_prefetcher_runs_ahead_by_at_most_max_lag_steps() -> None:
+    started: list[int] = []
+
+    def collect(step: int, cancel: Any) -> StepRollouts:
+        started.append(step)
+        if step == 4:
+            raise RuntimeError("rollouts of step 4 failed")
+        return StepRollouts(step, [], [], time.time(), time.time(), 0.0)
+
+    prefetch = Prefetcher(collect, 1, 5, max_lag=1)
+    try:
+        # Steps 1 and 2 may run on the starting weights (step 2 is trained with step 1's: lag 1).
+        assert prefetch.get(1).step == 1 and prefetch.get(2).step == 2
+        time.sleep(0.3)
+        assert started == [1, 2]  # step 3 waits until the weights of step 1 are in the engine
+        prefetch.pushed(1)
+        assert prefetch.get(3).step == 3
+        prefetch.pushed(2)
+        with pytest.raises(RuntimeError, match="step 4 failed"):  # the trainer's thread sees the error
+            prefetch.get(4)
+    finally:
+        prefetch.close()
+    assert started == [1, 2, 3, 4]  # nothing after the failure
+    waiting = Prefetcher(collect, 1, 5, max_lag=0)  # max_lag 0: step 2 waits for step 1's weights
+    assert waiting.get(1).step == 1
+    waiting.close()  # returns although step 2 is waiting for weights that never come
+
+
+def test_stale_samples_are_weighted_by_pi_old_over_behaviour_and_left_out_beyond_the_bound(
+    tiny_model_dir: Path, engine_and_prompts: Any, tmp_path: Path
+) -> None:
+    engine, triples = engine_and_prompts  # behaviour logprobs from the starting weights (version 0)
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=3e-2), group_size=2)
+    trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+    assert trainer.policy_version == 1
+    stale = rollouts_from(triples, [1.0, 0.0])  # sampled by version 0, trained by version 1: lag 1
+    samples = [s for r in stale for s in r.samples]
+    pi_old = trainer.policy.sample_logprobs(samples)  # the weights this step starts from
+    weights = [
+        min(math.exp(old - behaviour), 2.0)  # truncated at tis_threshold
+        for s, olds in zip(samples, pi_old, strict=True)
+        for old, behaviour, m in zip(olds, s.logprobs, s.loss_mask, strict=True)
+        if m
+    ]
+    kept, lag = lag_bound(stale, trainer.policy_version, max_lag=1)
+    assert lag["lag/histogram"] == {"1": 4} and lag["lag/stale_token_fraction"] == 1.0
+    metrics = trainer.train_step(kept)
+    assert metrics["updated"] is True and metrics["staleness_max"] == 1
+    # The IS weight is pi_old / pi_behaviour, token by token ...
+    assert abs(sum(weights) / len(weights) - 1.0) > 0.01  # (the step did move the weights)
+    assert metrics["is_weight_mean"] == pytest.approx(sum(weights) / len(weights), abs=1e-4)
+    assert metrics["is_weight_max"] <= 2.0
+    # ... and the PPO ratio is taken against pi_old, not the behaviour policy: at the step's only
+    # update it is exactly 1, so nothing is clipped however stale the samples.
+    assert metrics["clip_fraction"] == 0.0
+    # Beyond the bound (now lag 2 > max_lag 1) the loop trains on none of it, and counts it.
+    batch = StepRollouts(3, [], rollouts_from(triples, [1.0, 0.0]), 0.0, 0.0, 0.0)
+    opts = TrainOptions(model=str(tiny_model_dir), out=tmp_path, max_lag=1)
+    metrics = _train_on(batch, engine, trainer, opts, 0.0)
+    assert metrics["lag/dropped_rollouts"] == 4 and metrics["updated"] is False
+    assert trainer.policy_version == 2
+
+
+def _overlap_options(model: Path, run: Path, concurrency: int) -> TrainOptions:
+    # A random model never earns a reward: train on the (all-zero) groups anyway, so versions advance.
+    return TrainOptions(
+        model=str(model),
+        out=run,
+        steps=3,
+        group=2,
+        batch_tasks=1,
+        max_tokens=12,
+        max_turns=2,
+        concurrency=concurrency,
+        progress=False,
+        overlap=True,
+        max_lag=1,
+        trainer=TrainerConfig(lr=1e-3, drop_zero_variance=False),
+    )
+
+
+def _call_versions(gateway_db: Path) -> dict[int, list[list[int]]]:
+    """Per step, each closed rollout's call versions in call order."""
+    with sqlite3.connect(gateway_db) as db:
+        rows = db.execute(
+            "SELECT r.run_id, r.id, c.policy_version FROM calls c JOIN rollouts r ON r.id = c.rollout_id"
+            " WHERE r.status='closed' ORDER BY r.id, c.seq"
+        ).fetchall()
+    by_step: dict[int, dict[str, list[int]]] = {}
+    for run_id, rollout_id, version in rows:
+        by_step.setdefault(int(run_id.rsplit("-step", 1)[1]), {}).setdefault(rollout_id, []).append(version)
+    return {step: list(rollouts.values()) for step, rollouts in sorted(by_step.items())}
+
+
+def _check_lag_bound(run: Path, logged: list[dict[str, Any]], max_lag: int) -> None:
+    """Every step trained within the bound, by its own metrics and by the gateway's records."""
+    trained_by = {1: 0} | {m["step"] + 1: m["policy_version"] for m in logged}  # weights each step trains
+    for m in logged:
+        assert m["staleness_max"] <= max_lag and m["lag/max"] <= max_lag
+        assert m["lag/dropped_rollouts"] == 0
+    for step, rollouts in _call_versions(run / "gateway.db").items():
+        for versions in rollouts:
+            assert versions == sorted(versions)  # a rollout never goes back to older weights
+            assert trained_by[step] - max_lag <= min(versions) <= max(versions) <= trained_by[step]
+
+
+def test_overlap_trains_within_the_lag_bound_while_the_next_rollouts_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    summary = train(_overlap_options(tiny_model_dir, run, concurrency=2))
+    assert summary["steps"] == 3 and summary["policy_version"] == 3
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    _check_lag_bound(run, logged, max_lag=1)
+    calls = _call_versions(run / "gateway.db")
+    assert {v for vs in calls[1] for v in vs} == {0}
+    assert min(v for vs in calls[3] for v in vs) >= 1  # step 3's rollouts waited for step 1's weights
+    t = [m["timeline"] for m in logged]
+    for k in (1, 2):
+        # The rollouts of step k + 1 ran while step k trained ...
+        assert t[k]["rollout_start"] < t[k - 1]["train_end"] and t[k]["rollout_end"] > t[k - 1]["train_start"]
+        assert logged[k]["time/wait"] <= logged[k]["time/rollout"]
+    # ... but not before the weights of step k - 1 were in the engine (max_lag 1).
+    assert t[2]["rollout_start"] >= t[0]["pushed"]
+
+
+class _SimulatedCrash(Exception):
+    pass
+
+
+def test_overlap_resumes_after_a_crash_mid_overlap_without_losing_or_repeating_rollouts(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    opts = _overlap_options(tiny_model_dir, run, concurrency=1)
+    step2, step3 = (run / "steps" / f"{k:06d}" / "runner.db" for k in (2, 3))
+    real_train_step = Trainer.train_step
+
+    def crash_in_step_2(self: Trainer, rollouts: Any) -> dict[str, Any]:
+        if self.step + 1 == 2:  # step 3's rollouts are running: crash once one of them has finished
+            deadline = time.monotonic() + 120
+            while not _done_rollouts(step3):
+                assert time.monotonic() < deadline, "step 3's rollouts never finished"
+                time.sleep(0.05)
+            raise _SimulatedCrash
+        return real_train_step(self, rollouts)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_in_step_2)
+    with pytest.raises(_SimulatedCrash):
+        train(opts)
+    monkeypatch.undo()
+    assert [s for s, _ in iter_checkpoints(run / "checkpoints")] == [1]  # step 2 was never saved
+    kept2, kept3 = _done_rollouts(step2), _done_rollouts(step3)
+    assert len(kept2) == 2 and 0 < len(kept3) <= 2
+
+    summary = train(load_options(run), resume=True)
+    assert summary["steps"] == 3 and summary["policy_version"] == 3
+    for k in (1, 2, 3):
+        assert len(_done_rollouts(run / "steps" / f"{k:06d}" / "runner.db")) == 2
+    after2, after3 = _done_rollouts(step2), _done_rollouts(step3)
+    assert after2 == kept2 and {k: after3[k] for k in kept3} == kept3  # kept, not run again
+    with sqlite3.connect(run / "gateway.db") as db:
+        closed = db.execute("SELECT run_id, task_id, metadata FROM rollouts WHERE status='closed'").fetchall()
+    keys = [(r, t, json.loads(m)["sample"]) for r, t, m in closed]
+    assert len(keys) == len(set(keys)) == 3 * 2  # every rollout scored once
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    _check_lag_bound(run, logged, max_lag=1)

@@ -56,6 +56,25 @@ def model_init(out: str, size: str, seed: int) -> None:
 @click.option("--max-context", type=int, default=4096, show_default=True, help="Prompt + completion limit.")
 @click.option("--max-inflight", type=int, default=1024, show_default=True, help="Beyond this: 429.")
 @click.option("--durability", type=click.Choice(["full", "normal"]), default="full", show_default=True)
+@click.option(
+    "--upstream",
+    "upstreams",
+    multiple=True,
+    metavar="NAME=KIND:MODEL[@BASE_URL]",
+    help='An external model rollouts created with "upstream": NAME are answered by (recorded as text), '
+    "KIND openai or anthropic, e.g. teacher=openai:gpt-4.1 or "
+    "claude=anthropic:claude-sonnet-4-5@https://api.anthropic.com. Repeatable.",
+)
+@click.option(
+    "--upstream-key-env",
+    "upstream_key_envs",
+    multiple=True,
+    metavar="NAME=ENVVAR",
+    help="The variable holding upstream NAME's key (default OPENAI_API_KEY / ANTHROPIC_API_KEY).",
+)
+@click.option(
+    "--upstream-timeout", type=float, default=600.0, show_default=True, help="Seconds per upstream call."
+)
 def gateway(
     model_dir: str,
     engine: str,
@@ -70,10 +89,21 @@ def gateway(
     max_context: int,
     max_inflight: int,
     durability: str,
+    upstreams: tuple[str, ...],
+    upstream_key_envs: tuple[str, ...],
+    upstream_timeout: float,
 ) -> None:
     """Serve the recording gateway: an OpenAI-compatible endpoint per rollout."""
     from openforgerl.gateway.server import GatewayConfig, serve
+    from openforgerl.gateway.upstream import parse_key_env, parse_upstream, with_key_envs
 
+    try:
+        specs = with_key_envs(
+            [parse_upstream(u, timeout=upstream_timeout) for u in upstreams],
+            dict(parse_key_env(k) for k in upstream_key_envs),
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--upstream / --upstream-key-env") from exc
     serve(
         GatewayConfig(
             model=model_dir,
@@ -89,7 +119,58 @@ def gateway(
             max_context=max_context,
             max_inflight=max_inflight,
             durability=durability,
+            upstreams=specs,
         )
+    )
+
+
+@main.command("export-sft")
+@click.option("--store", "store_path", required=True, type=click.Path(dir_okay=False, exists=True))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSONL of chat rows.")
+@click.option("--run", "run_id", default=None, help="Only this run's rollouts.")
+@click.option("--min-reward", type=float, default=None, help="Only rollouts rewarded at least this.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    default=("closed",),
+    show_default=True,
+    help="Rollout statuses to export (repeatable).",
+)
+@click.option("--include-side-requests", is_flag=True, help="Also titles, routers and other side calls.")
+def export_sft_cmd(
+    store_path: str,
+    out: str,
+    run_id: str | None,
+    min_reward: float | None,
+    statuses: tuple[str, ...],
+    include_side_requests: bool,
+) -> None:
+    """Recorded conversations (e.g. an upstream teacher's) as chat rows for `openforge sft --data`."""
+    import asyncio
+
+    from openforgerl.gateway.export import export_sft
+    from openforgerl.store import Store
+
+    async def export() -> Any:
+        store = Store(store_path)
+        try:
+            return await export_sft(
+                store,
+                Path(out),
+                run_id=run_id,
+                min_reward=min_reward,
+                statuses=statuses,
+                include_side_requests=include_side_requests,
+            )
+        finally:
+            await store.close()
+
+    counts = asyncio.run(export())
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(counts.skipped.items()))
+    click.echo(
+        f"{counts.rows} conversations from {counts.rollouts} rollouts in {out}"
+        + (f"; left out: {skipped}" if skipped else "")
     )
 
 
@@ -422,12 +503,12 @@ def view(
     serve(app, host, port)
 
 
-@main.command("train")
+@main.command("train", context_settings={"ignore_unknown_options": True})
 @click.option("--tasks", default="tools-tiny", show_default=True, help="A suite or task file/dir.")
 @click.option(
     "--model", "model_dir", default=None, help="Starting model dir (HF format); not needed with --resume."
 )
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="The run folder.")
+@click.option("--out", default=None, type=click.Path(file_okay=False), help="The run folder.")
 @click.option(
     "--resume",
     is_flag=True,
@@ -460,8 +541,52 @@ def view(
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Held-out pass@1 every N steps.")
 @click.option("--eval-limit", type=int, default=None, help="Only the first N held-out tasks.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-def train_cmd(model_dir: str | None, out: str, resume: bool, steps: int | None, **kw: Any) -> None:
-    """RL: rollouts through an embedded gateway, a trainer step, new weights to the engine, repeat."""
+@click.option(
+    "--overlap/--no-overlap",
+    default=None,
+    help="Run the next step's rollouts while this step trains.  [default: no-overlap; --resume may "
+    "change it]",
+)
+@click.option(
+    "--max-lag",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Policy versions a trained sample may lag the trainer by; with --overlap, also how many "
+    "steps ahead rollouts run.  [default: 1; --resume may change it]",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["embedded", "verl"]),
+    default="embedded",
+    show_default=True,
+    help="verl: veRL's trainer (Ray, GPUs) with CONFIG and Hydra overrides; the options above do not apply.",
+)
+@click.argument("verl_args", nargs=-1, type=click.UNPROCESSED, metavar="[CONFIG [OVERRIDES]...]")
+def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int | None, **kw: Any) -> None:
+    """RL: rollouts through an embedded gateway, a trainer step, new weights to the engine, repeat.
+
+    With --backend verl: `openforge train --backend verl qwen3_grpo data.train_files=... ...` runs
+    veRL's main_ppo with a shipped config (or a YAML file) and Hydra overrides.
+    """
+    verl_args = kw.pop("verl_args")
+    if kw.pop("backend") == "verl":
+        from openforgerl.integrations.verl.launch import train_on_verl
+
+        if model_dir or out or resume:
+            raise click.UsageError(
+                "--model/--out/--resume are for the embedded backend; with veRL use Hydra overrides "
+                "(actor_rollout_ref.model.path=..., trainer.default_local_dir=..., trainer.resume_mode=auto)"
+            )
+        try:
+            raise SystemExit(train_on_verl(verl_args))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+    if verl_args:
+        raise click.UsageError(
+            f"unexpected arguments {' '.join(verl_args)!r} (CONFIG goes with --backend verl)"
+        )
+    if out is None:
+        raise click.BadParameter("give the run folder", param_hint="--out")
     from openforgerl.rl.algos import LossConfig
     from openforgerl.rl.loop import TrainOptions, load_options, train
     from openforgerl.rl.trainer import TrainerConfig
@@ -470,6 +595,10 @@ def train_cmd(model_dir: str | None, out: str, resume: bool, steps: int | None, 
         opts = load_options(Path(out))
         if steps is not None:
             opts.steps = steps
+        if kw["overlap"] is not None:
+            opts.overlap = kw["overlap"]
+        if kw["max_lag"] is not None:
+            opts.max_lag = kw["max_lag"]
     else:
         if model_dir is None:
             raise click.BadParameter("give the starting model directory", param_hint="--model")
@@ -486,6 +615,8 @@ def train_cmd(model_dir: str | None, out: str, resume: bool, steps: int | None, 
             seed=kw["seed"],
             eval_every=kw["eval_every"],
             eval_limit=kw["eval_limit"],
+            overlap=bool(kw["overlap"]),
+            max_lag=1 if kw["max_lag"] is None else kw["max_lag"],
             trainer=TrainerConfig(
                 lr=kw["lr"],
                 estimator=kw["algo"],
@@ -510,6 +641,23 @@ def train_cmd(model_dir: str | None, out: str, resume: bool, steps: int | None, 
         f"{summary['steps']} steps, policy version {summary['policy_version']}; "
         f"checkpoint {summary['checkpoint']}; metrics {summary['metrics']}"
     )
+
+
+@main.command("verl-data")
+@click.option("--tasks", required=True, help="A suite (tools-tiny, claw-basic) or task file/dir.")
+@click.option("--split", default=None, help="Only tasks of this split (train, heldout, test).")
+@click.option("--limit", type=int, default=None, help="Only the first N tasks.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="FILE.parquet or FILE.jsonl.")
+def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) -> None:
+    """Write veRL dataset rows (one per task) for `openforge train --backend verl`."""
+    from openforgerl.integrations.verl.data import dataset_rows, write_rows
+
+    try:
+        rows = dataset_rows(tasks, split, limit)
+        path = write_rows(rows, out)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{len(rows)} rows -> {path}")
 
 
 @main.command("sft")

@@ -14,7 +14,9 @@ gamma^(T - t) for the t-th of T + 1 calls.
 
 Side requests (titles, routers, memory extraction: `side_request_reason`) never merge
 with the main conversation; they become their own samples, flagged, or are left out with
-`include_side_requests=False`. Calls that failed (no completion) are skipped.
+`include_side_requests=False`. Calls that failed (no completion) are skipped, and so are text-level
+calls (an upstream answered them: no prompt ids, nothing the policy sampled; `openforge export-sft`
+turns those into chat rows for SFT).
 """
 
 from __future__ import annotations
@@ -174,7 +176,13 @@ def _new_sample(call: RecordedCall, reward: float) -> Sample:
 
 
 def _usable(calls: Sequence[RecordedCall], include_side_requests: bool) -> list[RecordedCall]:
-    return [c for c in calls if c.status == "ok" and (include_side_requests or not c.side_request)]
+    # A recorded prompt is never empty (the chat template renders at least the generation prompt),
+    # so a call without prompt ids is a text-level one.
+    return [
+        c
+        for c in calls
+        if c.status == "ok" and c.prompt_ids and (include_side_requests or not c.side_request)
+    ]
 
 
 def build_samples(

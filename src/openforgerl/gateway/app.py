@@ -133,7 +133,7 @@ class Gateway:
 
     async def admin_create_rollout(self, request: Request) -> Response:
         data = await self._json_body(request)
-        for name in ("run_id", "task_id"):
+        for name in ("run_id", "task_id", "upstream"):
             if not isinstance(data.get(name, ""), str):
                 raise bad_request(f"'{name}' must be a string.", param=name)
         for name in ("metadata", "sampling"):
@@ -144,6 +144,8 @@ class Gateway:
             task_id=data.get("task_id", ""),
             metadata=data.get("metadata"),
             sampling=data.get("sampling"),
+            # A name from the gateway's own --upstream list: keys never travel through this API.
+            upstream=data.get("upstream", ""),
         )
         return JSONResponse(
             {

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from openforgerl.engines.base import (
 )
 from openforgerl.engines.parsers import parse_completion
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request, context_length_exceeded
+from openforgerl.gateway.upstream import TextMemory, Upstream
 from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import CallRow, RolloutRow, Store
@@ -53,6 +55,9 @@ class Session:
     next_seq: int = 0
     # Errors to answer the next calls with, for testing a harness's retry logic (admin API).
     faults: list[int] = field(default_factory=list)
+    # The upstream that answers this rollout's calls instead of the policy ('' = the policy); its
+    # name is kept in the rollout's metadata, so a restarted gateway routes the rollout alike.
+    upstream: str = ""
 
 
 @dataclass(slots=True)
@@ -60,11 +65,12 @@ class PreparedCall:
     session: Session
     conv: Conversation
     plan: PromptPlan
-    params: SamplingParams
+    params: SamplingParams | None  # None for an upstream's call
     used: dict[str, Any]
     seq: int
     started: float
     released: bool = False
+    upstream_body: dict[str, Any] | None = None  # the request an upstream gets
 
 
 @dataclass(slots=True)
@@ -75,7 +81,7 @@ class CallOutcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    policy_version: int
+    policy_version: int  # -1 when an upstream answered (its counts above are its own)
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
@@ -93,8 +99,10 @@ class GatewayCore:
         policy: SamplingPolicy | None = None,
         max_context: int = 4096,
         max_inflight: int = 1024,
+        upstreams: Mapping[str, Upstream] | None = None,
     ) -> None:
         self.engine = engine
+        self.upstreams = dict(upstreams or {})
         self.renderer = renderer
         self.store = store
         self.policy = policy or SamplingPolicy()
@@ -104,7 +112,15 @@ class GatewayCore:
         self._by_key: dict[str, Session] = {}
         self._by_id: dict[str, Session] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self.counters = {"calls": 0, "extended": 0, "new_branch": 0, "aborted": 0, "errors": 0, "rejected": 0}
+        self.counters = {
+            "calls": 0,
+            "extended": 0,
+            "new_branch": 0,
+            "aborted": 0,
+            "errors": 0,
+            "rejected": 0,
+            "upstream_calls": 0,
+        }
 
     # -- rollouts -----------------------------------------------------------------------
     async def create_rollout(
@@ -114,11 +130,21 @@ class GatewayCore:
         task_id: str = "",
         metadata: dict[str, Any] | None = None,
         sampling: dict[str, Any] | None = None,
+        upstream: str = "",
     ) -> tuple[Session, str]:
         try:
             policy = self.policy.merged(sampling)
         except (TypeError, ValueError) as exc:
             raise bad_request(str(exc), param="sampling") from exc
+        if "upstream" in (metadata or {}):
+            raise bad_request("'metadata.upstream' is reserved: give 'upstream' instead.", param="metadata")
+        if upstream:
+            if upstream not in self.upstreams:
+                known = ", ".join(sorted(self.upstreams)) or "none (start the gateway with --upstream)"
+                raise bad_request(
+                    f"Unknown upstream '{upstream}'; this gateway's upstreams: {known}.", param="upstream"
+                )
+            metadata = {**(metadata or {}), "upstream": upstream}
         rollout_id = "ro_" + secrets.token_hex(8)
         api_key = "ofk-" + secrets.token_urlsafe(24)
         row = RolloutRow(
@@ -131,9 +157,12 @@ class GatewayCore:
             created_at=time.time(),
         )
         await self.store.create_rollout(row)
-        session = Session(row, TokenMemory(self.renderer), policy)
+        session = Session(row, self._memory(upstream), policy, upstream=upstream)
         self._remember(session)
         return session, api_key
+
+    def _memory(self, upstream: str) -> TokenMemory:
+        return TextMemory(self.renderer) if upstream else TokenMemory(self.renderer)
 
     def _remember(self, session: Session) -> None:
         self._by_key[session.rollout.key_hash] = session
@@ -164,7 +193,8 @@ class GatewayCore:
         if row.status != "open":
             # A closed rollout takes no calls: its row is all an admin update or a refusal needs.
             return Session(row, TokenMemory(self.renderer), self.policy.merged(row.sampling))
-        memory = TokenMemory(self.renderer)
+        upstream = str(row.metadata.get("upstream") or "")
+        memory = self._memory(upstream)
         calls = await self.store.calls(row.id)
         prompts = Store.full_prompts(calls)
         for c in calls:
@@ -172,7 +202,9 @@ class GatewayCore:
             if c.status == "ok" and c.memory:
                 memory.restore(c.id, c.branch_id, c.memory, prompts[c.id] + c.completion_ids)
             memory.next_branch_id = max(memory.next_branch_id, c.branch_id + 1)
-        session = Session(row, memory, self.policy.merged(row.sampling), next_seq=len(calls))
+        session = Session(
+            row, memory, self.policy.merged(row.sampling), next_seq=len(calls), upstream=upstream
+        )
         self._remember(session)
         return session
 
@@ -212,24 +244,41 @@ class GatewayCore:
                 retry_after=1,
             )
         plan = session.memory.plan(conv.messages, conv.tools)
-        prompt_tokens = len(plan.prompt_ids)
-        engine_max = min(self.max_context, getattr(self.engine, "max_context", self.max_context))
-        try:
-            params, used = session.policy.resolve(
-                conv.sampling,
-                prompt_tokens,
-                engine_max,
-                self.renderer.stop_token_ids,
-                # "text" asks for nothing; a JSON object or schema is constrained where possible.
-                conv.response_format if (conv.response_format or {}).get("type") != "text" else None,
-                getattr(self.engine, "supports_response_format", False),
-            )
-        except ValueError as exc:
-            raise context_length_exceeded(prompt_tokens, int(exc.args[0])) from exc
+        params: SamplingParams | None = None
+        body: dict[str, Any] | None = None
+        if session.upstream:
+            # Input the upstream's API cannot take is refused here, before anything was streamed.
+            body, used = self._upstream(session).request(conv, session.rollout.sampling)
+        else:
+            prompt_tokens = len(plan.prompt_ids)
+            engine_max = min(self.max_context, getattr(self.engine, "max_context", self.max_context))
+            try:
+                params, used = session.policy.resolve(
+                    conv.sampling,
+                    prompt_tokens,
+                    engine_max,
+                    self.renderer.stop_token_ids,
+                    # "text" asks for nothing; a JSON object or schema is constrained where possible.
+                    conv.response_format if (conv.response_format or {}).get("type") != "text" else None,
+                    getattr(self.engine, "supports_response_format", False),
+                )
+            except ValueError as exc:
+                raise context_length_exceeded(prompt_tokens, int(exc.args[0])) from exc
         seq = session.next_seq
         session.next_seq += 1
         self.inflight += 1  # counted from here so a burst cannot slip past the limit
-        return PreparedCall(session, conv, plan, params, used, seq, time.time())
+        return PreparedCall(session, conv, plan, params, used, seq, time.time(), upstream_body=body)
+
+    def _upstream(self, session: Session) -> Upstream:
+        upstream = self.upstreams.get(session.upstream)
+        if upstream is None:
+            raise GatewayError(
+                500,
+                f"Rollout {session.rollout.id} is answered by upstream '{session.upstream}', which this "
+                "gateway was not started with (--upstream).",
+                kind="internal",
+            )
+        return upstream
 
     def release(self, call: PreparedCall) -> None:
         """End a call's slot in flight (idempotent: also for a call that never ran)."""
@@ -238,7 +287,10 @@ class GatewayCore:
             self.inflight -= 1
 
     def count_tokens(self, session: Session, conv: Conversation) -> int:
-        """The prompt length this conversation would have (token memory included), without a call."""
+        """The prompt length this conversation would have (token memory included), without a call.
+        For an upstream's rollout: an estimate, in the policy's tokenizer."""
+        if session.upstream:
+            return len(self.renderer.encode(self.renderer.render(conv.messages, conv.tools)))
         return len(session.memory.plan(conv.messages, conv.tools).prompt_ids)
 
     async def complete(self, session: Session, conv: Conversation) -> CallOutcome:
@@ -247,49 +299,66 @@ class GatewayCore:
     async def run(self, call: PreparedCall) -> CallOutcome:
         """Generate, parse, record durably, and only then return (the harness's acknowledgement)."""
         try:
+            if call.session.upstream:
+                return await self._run_upstream(call)
             return await self._run(call)
         finally:
             self.release(call)
 
+    def _call_row(self, call: PreparedCall, status: str, error: str, message: Message | None) -> CallRow:
+        """The record of a call, without what an engine returned (no ids, logprobs or version)."""
+        conv, plan = call.conv, call.plan
+        return CallRow(
+            rollout_id=call.session.rollout.id,
+            seq=call.seq,
+            branch_id=-1,
+            parent_call_id=plan.parent.call_id if plan.parent else None,
+            branch_reason=plan.miss_reason,
+            dialect=conv.dialect,
+            model=conv.model,
+            engine=self.engine.name,
+            status=status,
+            error=error,
+            policy_version=None,
+            prompt_prefix_len=plan.prefix_len,
+            prompt_delta=plan.prompt_ids[plan.prefix_len :],
+            prompt_tokens=len(plan.prompt_ids),
+            completion_ids=[],
+            completion_logprobs=[],
+            finish_reason="abort" if status == "aborted" else None,
+            stop_reason=None,
+            sampling_requested={
+                **asdict(conv.sampling),
+                "tools": len(conv.tools),
+                "tool_choice": conv.tool_choice,
+                "response_format": conv.response_format,
+                # The definitions once per branch: the calls extending it were given the same ones.
+                **({"tool_definitions": [t.template_dict() for t in conv.tools]} if not plan.parent else {}),
+            },
+            sampling_used=call.used,
+            messages_delta=[m.template_dict() for m in conv.messages[plan.first_new_message :]],
+            response=message.template_dict() if message else {},
+            parse_errors=[],
+            memory={},
+            created_at=call.started,
+            latency_ms=(time.time() - call.started) * 1000,
+        )
+
     async def _run(self, call: PreparedCall) -> CallOutcome:
-        session, conv, plan = call.session, call.conv, call.plan
+        session, plan = call.session, call.plan
+        assert call.params is not None
 
         def record(
             status: str, error: str, result: GenerateResult | None, message: Message | None
         ) -> CallRow:
-            return CallRow(
-                rollout_id=session.rollout.id,
-                seq=call.seq,
-                branch_id=-1,
-                parent_call_id=plan.parent.call_id if plan.parent else None,
-                branch_reason=plan.miss_reason,
-                dialect=conv.dialect,
-                model=conv.model,
-                engine=self.engine.name,
-                status=status,
-                error=error,
-                policy_version=result.policy_version if result else None,
-                prompt_prefix_len=plan.prefix_len,
-                prompt_delta=plan.prompt_ids[plan.prefix_len :],
-                prompt_tokens=len(plan.prompt_ids),
-                completion_ids=result.completion_ids if result else [],
-                completion_logprobs=result.logprobs if result else [],
-                finish_reason=result.finish_reason if result else ("abort" if status == "aborted" else None),
-                stop_reason=None if result is None or result.stop_reason is None else str(result.stop_reason),
-                sampling_requested={
-                    **asdict(conv.sampling),
-                    "tools": len(conv.tools),
-                    "tool_choice": conv.tool_choice,
-                    "response_format": conv.response_format,
-                },
-                sampling_used=call.used,
-                messages_delta=[m.template_dict() for m in conv.messages[plan.first_new_message :]],
-                response=message.template_dict() if message else {},
-                parse_errors=[],
-                memory={},
-                created_at=call.started,
-                latency_ms=(time.time() - call.started) * 1000,
-            )
+            row = self._call_row(call, status, error, message)
+            if result is not None:
+                row.policy_version = result.policy_version
+                row.completion_ids = result.completion_ids
+                row.completion_logprobs = result.logprobs
+                row.finish_reason = result.finish_reason
+                row.stop_reason = None if result.stop_reason is None else str(result.stop_reason)
+            return row
 
         try:
             result = await self.engine.generate(plan.prompt_ids, call.params)
@@ -322,7 +391,7 @@ class GatewayCore:
         message, finish, errors, turn_end = self._to_message(result, call.params.stop)
         row = record("ok", "", result, message)
         row.parse_errors = errors
-        call_id = await self._record_ok(session, plan, row, result, message, turn_end)
+        call_id = await self._record_ok(session, plan, row, result.completion_ids, message, turn_end)
         self.counters["calls"] += 1
         self.counters[
             "extended" if row.parent_call_id is not None and not row.branch_reason else "new_branch"
@@ -342,12 +411,66 @@ class GatewayCore:
             stop_reason=result.stop_reason,
         )
 
+    async def _run_upstream(self, call: PreparedCall) -> CallOutcome:
+        """The call sent to the rollout's upstream; recorded at text level (no ids, no logprobs)."""
+        session, plan = call.session, call.plan
+        upstream = self._upstream(session)
+        assert call.upstream_body is not None
+
+        def record(status: str, error: str, message: Message | None, model: str) -> CallRow:
+            row = self._call_row(call, status, error, message)
+            row.engine, row.model = upstream.engine_name, model
+            row.sampling_requested["model"] = call.conv.model  # the name the harness asked for
+            return row
+
+        try:
+            reply = await upstream.send(call.upstream_body)
+        except asyncio.CancelledError:
+            self.counters["aborted"] += 1
+            row = record("aborted", "client disconnected", None, upstream.spec.model)
+            self._in_background(self._record_failure(session, row))
+            raise
+        except GatewayError as err:
+            self.counters["errors"] += 1
+            row = record("error", f"upstream {err.status}: {err.message}", None, upstream.spec.model)
+            await self._record_failure(session, row)
+            raise
+        row = record("ok", "", reply.message, reply.model)
+        row.finish_reason, row.stop_reason = reply.finish_reason, reply.stop_reason
+        row.sampling_used = {
+            **call.used,
+            "usage": {
+                "prompt_tokens": reply.prompt_tokens,
+                "completion_tokens": reply.completion_tokens,
+                "cached_tokens": reply.cached_tokens,
+            },
+        }
+        call_id = await self._record_ok(session, plan, row, [], reply.message, True)
+        self.counters["calls"] += 1
+        self.counters["upstream_calls"] += 1
+        self.counters[
+            "extended" if row.parent_call_id is not None and not row.branch_reason else "new_branch"
+        ] += 1
+        return CallOutcome(
+            call_id=call_id,
+            message=reply.message,
+            finish_reason=reply.finish_reason,
+            prompt_tokens=reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens,
+            cached_tokens=reply.cached_tokens,
+            policy_version=-1,
+            prompt_ids=[],
+            completion_ids=[],
+            logprobs=[],
+            stop_reason=reply.stop_reason,
+        )
+
     async def _record_ok(
         self,
         session: Session,
         plan: PromptPlan,
         row: CallRow,
-        result: GenerateResult,
+        completion_ids: list[int],
         message: Message,
         turn_end: bool,
     ) -> int:
@@ -356,7 +479,7 @@ class GatewayCore:
         # tip carries a provisional id until the insert returns. No later call can extend the tip
         # before then: a harness only sees this answer after the insert.
         provisional = -(row.seq + 1)
-        commit = session.memory.commit(plan, provisional, result.completion_ids, message, turn_end)
+        commit = session.memory.commit(plan, provisional, completion_ids, message, turn_end)
         row.branch_id = commit.branch_id
         row.parent_call_id = commit.parent_call_id
         row.branch_reason = commit.reason
@@ -419,5 +542,6 @@ class GatewayCore:
             "inflight": self.inflight,
             "open_sessions": len(self._by_id),
             "policy_version": self.engine.policy_version,
+            "upstreams": sorted(self.upstreams),
             **self.counters,
         }

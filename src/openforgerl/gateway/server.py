@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +20,7 @@ from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
 from openforgerl.gateway.app import Gateway
 from openforgerl.gateway.core import GatewayCore
+from openforgerl.gateway.upstream import Upstream, UpstreamSpec
 from openforgerl.rendering import ChatRenderer
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import Store
@@ -40,6 +42,8 @@ class GatewayConfig:
     max_inflight: int = 1024
     max_body: int = 32 << 20
     durability: str = "full"
+    # External models a rollout can be answered by instead of the policy (`"upstream": NAME`).
+    upstreams: list[UpstreamSpec] = field(default_factory=list)
 
 
 def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlette, Gateway]:
@@ -48,6 +52,9 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     engine = engine or make_engine(cfg.engine, cfg.model)
+    upstreams = {spec.name: Upstream(spec) for spec in cfg.upstreams}
+    if len(upstreams) != len(cfg.upstreams):
+        raise ValueError("two upstreams have the same name")
     store = Store(Path(cfg.store), durability=cfg.durability)
     core = GatewayCore(
         engine,
@@ -56,6 +63,7 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
         policy=SamplingPolicy(cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.max_context),
         max_context=cfg.max_context,
         max_inflight=cfg.max_inflight,
+        upstreams=upstreams,
     )
     gateway = Gateway(
         core,
@@ -72,6 +80,8 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
             yield
         finally:
             await engine.close()
+            for upstream in upstreams.values():
+                await upstream.aclose()
             await store.close()
 
     app.router.lifespan_context = lifespan
@@ -82,6 +92,11 @@ def serve(cfg: GatewayConfig) -> None:
     app, gateway = build_app(cfg)
     if not cfg.admin_token:
         print(f"admin token: {gateway.admin_token}", flush=True)
+    for spec in cfg.upstreams:
+        missing = (
+            "" if os.environ.get(spec.env) else f" (WARNING: ${spec.env} is not set: its calls will fail)"
+        )
+        print(f"upstream {spec.describe()}{missing}", flush=True)
     uvicorn.run(
         app,
         host=cfg.host,

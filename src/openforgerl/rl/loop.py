@@ -16,6 +16,31 @@ Run folder:
 Resume after a crash (even kill -9): the last checkpoint gives the weights, optimizer and step;
 the next step's runner state keeps its finished rollouts, so none is lost or repeated; a step
 whose checkpoint exists but whose metrics line was not written yet gets it from the checkpoint.
+
+Overlap (`overlap=True`): a background thread runs the rollouts of the coming steps, in step order,
+while the trainer trains; the rollouts of step s start only once the weights of step
+s - max_lag - 1 are in the engine. With the default max_lag 1 the rollouts of step t + 1 run while
+step t trains (max_lag 0 is the synchronous schedule, on a thread). Weights are pushed after each
+step: the engine lets calls in flight finish on the old weights and gives later calls the new
+ones, so a rollout can mix two versions (each token records its own). The policy lag of a sample
+is the trainer's policy version when it trains on it minus the oldest version among its tokens;
+the schedule bounds it by max_lag, and the trainer corrects it by truncated importance sampling:
+pi_old is the trainer's policy at the start of the step (the PPO ratio is taken against it) and
+each token's weight is pi_old / pi_behaviour, pi_behaviour being the logprob the engine recorded.
+
+The bound is also enforced: a rollout with any sample older than the bound is left out of
+training and counted (`lag/dropped_rollouts`); the rest of its group trains without it. Dropped,
+not re-run: its runner state says done, and re-running it would score the same (task, sample)
+twice. The schedule never produces such a rollout, resumed or not (a prefetched step's finished
+rollouts came from weights at most max_lag versions before the ones it trains on, and a resumed
+run starts from the last checkpoint, which is the newest weights the engine ever had); it happens
+when a run is resumed with a lower --max-lag than its rollouts were made under.
+
+Each step's metrics time it: time/rollout (its rollouts, wherever they ran), time/wait (how long
+the trainer waited for them: all of time/rollout when synchronous), time/train (the trainer's
+step; time/update its optimizer loop alone), time/save, time/push, time/step (this step's wall
+time in the loop) and time/wall (since the loop started); `timeline` holds wall-clock stamps
+(rollout_start/end, train_start/end, pushed) to compare steps.
 """
 
 from __future__ import annotations
@@ -25,8 +50,9 @@ import dataclasses
 import json
 import random
 import shutil
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +66,7 @@ from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, 
 from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, react_harness
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
-from openforgerl.trajectory import build_samples, calls_from_json
+from openforgerl.trajectory import NO_VERSION, build_samples, calls_from_json
 
 RUN_FILE = "run.json"
 
@@ -66,6 +92,8 @@ class TrainOptions:
     eval_limit: int | None = None
     keep_checkpoints: int = 2
     progress: bool = True
+    overlap: bool = False  # rollouts of the next step(s) run while this one trains
+    max_lag: int = 1  # policy versions a trained sample may lag behind the trainer (and prefetch depth)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def to_json(self) -> dict[str, Any]:
@@ -93,6 +121,35 @@ def step_tasks(tasks: Sequence[Task], step: int, n: int, seed: int) -> list[Task
     return random.Random(f"{seed}:{step}").sample(list(tasks), min(n, len(tasks)))
 
 
+class _Cancel:
+    """Stops an asyncio run on another thread: the run attaches its task, `cancel` cancels it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self.cancelled = False
+
+    def attach(self) -> None:
+        """Called inside the run: from now on `cancel` cancels the running task."""
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("attach() must be called from inside a task")
+        with self._lock:
+            self._loop, self._task = asyncio.get_running_loop(), task
+            if self.cancelled:
+                task.cancel()  # cancelled before this run started
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self._loop is not None and self._task is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._task.cancel)
+                except RuntimeError:  # that run has ended and its loop is closed
+                    pass
+
+
 def run_tasks(
     gw: RunningGateway,
     tasks: Sequence[Task],
@@ -103,8 +160,10 @@ def run_tasks(
     *,
     sampling: dict[str, Any] | None = None,
     desc: str = "rollouts",
+    cancel: _Cancel | None = None,
 ) -> list[RolloutResult]:
-    """Run every task n times against the gateway; `state_dir` keeps the runner's state."""
+    """Run every task n times against the gateway; `state_dir` keeps the runner's state.
+    `cancel` lets another thread stop the run (its runner cleans up as on Ctrl-C)."""
     cfg = RunnerConfig(
         gateway_url=gw.url,
         admin_token=gw.gateway.admin_token,
@@ -117,6 +176,8 @@ def run_tasks(
     bar = tqdm(total=len(tasks) * n, desc=desc, unit="rollout", disable=not opts.progress, leave=False)
 
     async def go() -> list[RolloutResult]:
+        if cancel is not None:
+            cancel.attach()
         runner = Runner(cfg, LocalBackend(), react_harness(opts.max_turns, opts.max_tokens))
         try:
             return await runner.run(tasks, n, on_done=lambda _: bar.update(1))
@@ -170,8 +231,152 @@ def _start_engine(model_dir: Path, version: int) -> TransformersEngine:
     return TransformersEngine(model_dir, policy_version=version)
 
 
+@dataclass
+class StepRollouts:
+    """One step's finished rollouts as the trainer gets them, and when they ran."""
+
+    step: int
+    results: list[RolloutResult]
+    rollouts: list[Rollout]
+    started: float  # wall clock (time.time()): comparable across threads and resumed processes
+    ended: float
+    seconds: float
+
+
+def collect_step(
+    gw: RunningGateway,
+    opts: TrainOptions,
+    train_tasks: Sequence[Task],
+    step: int,
+    cancel: _Cancel | None = None,
+) -> StepRollouts:
+    """Run (or, after a crash, finish) the rollouts of `step` and read back what they recorded."""
+    started, t0 = time.time(), time.monotonic()
+    tasks = step_tasks(train_tasks, step, opts.batch_tasks, opts.seed)
+    state_dir = opts.out / "steps" / f"{step:06d}"
+    results = run_tasks(
+        gw,
+        tasks,
+        opts.group,
+        state_dir,
+        f"{opts.out.name}-step{step}",
+        opts,
+        desc=f"rollouts of step {step}",
+        cancel=cancel,
+    )
+    rollouts = recorded_rollouts(gw, results)
+    return StepRollouts(step, results, rollouts, started, time.time(), time.monotonic() - t0)
+
+
+class Prefetcher:
+    """The rollouts of steps `first`..`last`, run in step order on a background thread.
+
+    Step s starts only once `pushed(s - max_lag - 1)` was called (the weights of that step are in
+    the engine), so its rollouts come from those weights or newer ones: trained at step s, with
+    the weights of step s - 1, none lags by more than max_lag versions.
+    """
+
+    def __init__(
+        self, collect: Callable[[int, _Cancel], StepRollouts], first: int, last: int, max_lag: int
+    ) -> None:
+        self._collect = collect
+        self._first, self._last, self._max_lag = first, last, max_lag
+        self._cond = threading.Condition()
+        self._pushed = first - 1  # a (resumed) run starts with the weights of step first - 1
+        self._ready: dict[int, StepRollouts | BaseException] = {}
+        self._stopping = False
+        self._cancel = _Cancel()
+        self._thread = threading.Thread(target=self._run, name="openforge-rollouts", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for step in range(self._first, self._last + 1):
+            with self._cond:
+                while not self._stopping and step > self._pushed + self._max_lag + 1:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            out: StepRollouts | BaseException
+            try:
+                out = self._collect(step, self._cancel)
+            except BaseException as exc:  # handed to the trainer's thread, which raises it
+                out = exc
+            with self._cond:
+                self._ready[step] = out
+                self._cond.notify_all()
+            if isinstance(out, BaseException):
+                return
+
+    def pushed(self, step: int) -> None:
+        """The weights of `step` are in the engine."""
+        with self._cond:
+            self._pushed = step
+            self._cond.notify_all()
+
+    def get(self, step: int) -> StepRollouts:
+        """The rollouts of `step`, once they are all finished."""
+        with self._cond:
+            while step not in self._ready:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"the rollout thread ended before step {step}")
+                self._cond.wait(1.0)
+            out = self._ready.pop(step)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def close(self) -> None:
+        """Stop: rollouts in flight are cancelled (their runner state says so; a resume redoes them)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._cancel.cancel()
+        self._thread.join()
+
+
+def lag_bound(
+    rollouts: Sequence[Rollout], version: int, max_lag: int
+) -> tuple[list[Rollout], dict[str, Any]]:
+    """The rollouts none of whose samples lags the trainer's `version` by more than `max_lag`, and
+    lag metrics on them: `lag/histogram` (samples by lag: version minus the sample's oldest token
+    version), `lag/max`, `lag/mean` and `lag/stale_token_fraction` over loss tokens (each token's
+    own version), and `lag/dropped_rollouts`. Tokens without a version count as current."""
+    kept: list[Rollout] = []
+    dropped = worst = 0
+    histogram: dict[int, int] = {}
+    tokens = lag_sum = stale = 0
+    for r in rollouts:
+        oldest = [v for s in r.samples if s.num_loss_tokens and (v := s.min_policy_version) is not None]
+        if oldest and version - min(oldest) > max_lag:
+            dropped += 1
+            continue
+        kept.append(r)
+        for s in r.samples:
+            if not s.num_loss_tokens:
+                continue
+            oldest_v = s.min_policy_version
+            lag = 0 if oldest_v is None else version - oldest_v
+            histogram[lag] = histogram.get(lag, 0) + 1
+            worst = max(worst, lag)
+            for m, v in zip(s.loss_mask, s.policy_versions, strict=True):
+                if m:
+                    tokens += 1
+                    if v != NO_VERSION:
+                        lag_sum += version - v
+                        stale += v < version
+    return kept, {
+        "lag/histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        "lag/max": worst,
+        "lag/mean": lag_sum / tokens if tokens else 0.0,
+        "lag/stale_token_fraction": stale / tokens if tokens else 0.0,
+        "lag/dropped_rollouts": dropped,
+    }
+
+
 def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary."""
+    if opts.max_lag < 0:
+        raise ValueError(f"max_lag must be at least 0, not {opts.max_lag}")
     run_dir = opts.out
     if not resume and (run_dir / RUN_FILE).exists():
         raise FileExistsError(
@@ -212,15 +417,36 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
         with serve_in_thread(gw_cfg, engine) as gw:
             if opts.eval_every and trainer.step == 0 and 0 not in log.steps():
                 log.write(0, {"policy_version": 0, **evaluate(gw, opts, eval_tasks, 0)})
-            steps = range(trainer.step + 1, opts.steps + 1)
-            for step in tqdm(steps, desc="train", unit="step", disable=not opts.progress):
-                metrics = _one_step(gw, engine, trainer, opts, train_tasks, step)
-                if opts.eval_every and step % opts.eval_every == 0:
+
+            def collect(step: int, cancel: _Cancel | None = None) -> StepRollouts:
+                return collect_step(gw, opts, train_tasks, step, cancel)
+
+            first = trainer.step + 1
+            prefetch = None
+            if opts.overlap and first <= opts.steps:
+                prefetch = Prefetcher(collect, first, opts.steps, opts.max_lag)
+            t_loop = time.monotonic()
+            try:
+                for step in tqdm(
+                    range(first, opts.steps + 1), desc="train", unit="step", disable=not opts.progress
+                ):
                     t0 = time.monotonic()
-                    metrics.update(evaluate(gw, opts, eval_tasks, step))
-                    metrics["time/eval"] = time.monotonic() - t0
-                log.write(step, metrics)
-                _prune(run_dir / "checkpoints", opts.keep_checkpoints)
+                    batch = prefetch.get(step) if prefetch else collect(step)
+                    waited = time.monotonic() - t0
+                    metrics = _train_on(batch, engine, trainer, opts, waited)
+                    if prefetch:
+                        prefetch.pushed(step)
+                    metrics["time/step"] = time.monotonic() - t0
+                    metrics["time/wall"] = time.monotonic() - t_loop
+                    if opts.eval_every and step % opts.eval_every == 0:
+                        t1 = time.monotonic()
+                        metrics.update(evaluate(gw, opts, eval_tasks, step))
+                        metrics["time/eval"] = time.monotonic() - t1
+                    log.write(step, metrics)
+                    _prune(run_dir / "checkpoints", opts.keep_checkpoints)
+            finally:
+                if prefetch is not None:
+                    prefetch.close()  # before the gateway goes away under its rollouts
     finally:
         log.close()
     final = list(iter_checkpoints(run_dir / "checkpoints"))
@@ -233,24 +459,22 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     }
 
 
-def _one_step(
-    gw: RunningGateway,
-    engine: TransformersEngine,
-    trainer: Trainer,
-    opts: TrainOptions,
-    train_tasks: Sequence[Task],
-    step: int,
+def _train_on(
+    batch: StepRollouts, engine: TransformersEngine, trainer: Trainer, opts: TrainOptions, waited: float
 ) -> dict[str, Any]:
-    t0 = time.monotonic()
-    tasks = step_tasks(train_tasks, step, opts.batch_tasks, opts.seed)
-    state_dir = opts.out / "steps" / f"{step:06d}"
-    results = run_tasks(gw, tasks, opts.group, state_dir, f"{opts.out.name}-step{step}", opts)
-    rollouts = recorded_rollouts(gw, results)
-    t_rollout = time.monotonic() - t0
+    """Train one step on `batch`, save the checkpoint and load it into the engine."""
+    step = batch.step
+    rollouts, lag = lag_bound(batch.rollouts, trainer.policy_version, opts.max_lag)
+    train_start, t0 = time.time(), time.monotonic()
     metrics = trainer.train_step(rollouts)
-    metrics["time/rollout"] = t_rollout
-    metrics["rollout_tokens"] = sum(len(s.input_ids) for r in rollouts for s in r.samples)
-    metrics["outcomes"] = _count(r.outcome or r.status.value for r in results)
+    train_end = time.time()
+    metrics["time/update"] = metrics.pop("time/train", 0.0)  # the trainer's optimizer loop alone
+    metrics["time/train"] = time.monotonic() - t0
+    metrics.update(lag)
+    metrics["time/rollout"] = batch.seconds
+    metrics["time/wait"] = waited
+    metrics["rollout_tokens"] = sum(len(s.input_ids) for r in batch.rollouts for s in r.samples)
+    metrics["outcomes"] = _count(r.outcome or r.status.value for r in batch.results)
     t1 = time.monotonic()
     checkpoint = opts.out / "checkpoints" / f"step-{step:06d}"
     trainer.save(checkpoint, metrics=metrics)
@@ -263,7 +487,14 @@ def _one_step(
                 f"the engine is at policy version {version}, the trainer at {trainer.policy_version}"
             )
         metrics["time/push"] = time.monotonic() - t2
-    metrics["time/step"] = time.monotonic() - t0
+    # Wall-clock stamps, nested so TensorBoard leaves them out: they show how steps overlapped.
+    metrics["timeline"] = {
+        "rollout_start": batch.started,
+        "rollout_end": batch.ended,
+        "train_start": train_start,
+        "train_end": train_end,
+        "pushed": time.time(),
+    }
     return metrics
 
 

@@ -68,7 +68,8 @@ def chat_sample(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     mask = [0] * len(full)
     eos = tokenizer.eos_token_id
     for i, m in enumerate(messages):
-        if m.get("role") != "assistant":
+        # `weight: 0` (OpenAI's fine-tuning convention): a turn kept as context, not trained on.
+        if m.get("role") != "assistant" or m.get("weight", 1) == 0:
             continue
         prompt, upto = ids(messages[:i], True), ids(messages[: i + 1], False)
         if upto[: len(prompt)] != prompt or full[: len(upto)] != upto:

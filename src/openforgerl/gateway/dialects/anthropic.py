@@ -326,9 +326,10 @@ class _Answer:
             blocks.append(
                 {
                     "type": "tool_use",
-                    "id": "toolu_" + c.id.removeprefix("call_"),
+                    "id": c.id if c.id.startswith("toolu_") else "toolu_" + c.id.removeprefix("call_"),
                     "name": c.name,
-                    # The completion parser only yields JSON objects; a string cannot occur here.
+                    # The completion parser only yields JSON objects; only an upstream's answer can
+                    # hold arguments that are not one, and `input` must be an object.
                     "input": c.arguments if isinstance(c.arguments, dict) else {},
                 }
             )

@@ -181,6 +181,10 @@ def _usage(out: CallOutcome) -> dict[str, Any]:
     }
 
 
+def _fingerprint(out: CallOutcome) -> str:
+    return f"policy-v{out.policy_version}" if out.policy_version >= 0 else "upstream"
+
+
 def _logprobs(out: CallOutcome, decode: Any) -> dict[str, Any]:
     return {
         "content": [
@@ -207,7 +211,7 @@ def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Any) -> 
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model,
-        "system_fingerprint": f"policy-v{out.policy_version}",
+        "system_fingerprint": _fingerprint(out),
         "choices": [choice],
         "usage": _usage(out),
     }
@@ -229,7 +233,7 @@ def stream_chunks(
             "object": "chat.completion.chunk",
             "created": created,
             "model": req.model,
-            "system_fingerprint": f"policy-v{out.policy_version}",
+            "system_fingerprint": _fingerprint(out),
             "choices": [
                 {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
             ],

@@ -1,0 +1,148 @@
+"""Recorded rollouts -> chat rows for SFT (`openforge export-sft`).
+
+Each branch of a rollout becomes one row, `{"messages": [...], "tools": [...]}` plus where it came
+from: the messages the harness sent along the branch, with each answer as it was recorded (not as
+the harness echoed it back), and the tool definitions the branch was given. `openforge sft --data`
+tokenises such rows with the student's chat template and trains on the assistant turns. It works
+for any rollout, answered by the policy or by an upstream (a teacher), since every call records its
+messages; it is what makes an upstream's text-level trajectories trainable.
+
+Assistant turns the harness sent but no call of the rollout generated (a resumed session's history,
+few-shot examples) carry `"weight": 0`, the OpenAI fine-tuning convention for "do not train on this
+turn". Branches that are side requests (titles, routers), that hold an answer cut by max_tokens, or
+whose tool definitions were not recorded (calls recorded before the gateway kept them) are left out
+and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openforgerl.store import CallRow, RolloutRow, Store
+from openforgerl.trajectory import side_request_reason
+
+
+@dataclass(slots=True)
+class ExportCounts:
+    rollouts: int = 0  # rollouts that passed the filters
+    rows: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # branches left out, by reason
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+
+@dataclass(slots=True)
+class _Path:
+    """The conversation up to and including one call's prompt, and what it needs to become a row."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # None: the call had tools whose definitions were not recorded
+    call_ids: list[int]
+    truncated: bool
+
+
+def _sent(messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the harness sent them; its assistant turns are not this rollout's answers."""
+    return [{**m, "weight": 0} if m.get("role") == "assistant" else dict(m) for m in messages]
+
+
+def chat_rows(
+    rollout: RolloutRow,
+    calls: Sequence[CallRow],
+    counts: ExportCounts,
+    *,
+    include_side_requests: bool = False,
+) -> list[dict[str, Any]]:
+    """One chat row per branch of the rollout (calls in seq order, as the store returns them)."""
+    ok = [c for c in calls if c.status == "ok" and c.id is not None]
+    by_id = {c.id: c for c in ok}
+    uses_tools = any(c.sampling_requested.get("tools") for c in calls)
+    paths: dict[int, _Path] = {}
+    extended: set[int] = set()
+    for c in ok:
+        assert c.id is not None
+        parent = paths.get(c.parent_call_id) if c.parent_call_id is not None else None
+        if parent is not None:
+            assert c.parent_call_id is not None
+            extended.add(c.parent_call_id)
+            history = [*parent.messages, dict(by_id[c.parent_call_id].response)]
+            tools, ids, truncated = parent.tools, parent.call_ids, parent.truncated
+        elif c.parent_call_id is not None:
+            continue  # extends a call that is not here: cannot happen in a store the gateway wrote
+        else:
+            history, ids, truncated = [], [], False
+            tools = c.sampling_requested.get("tool_definitions")
+            if tools is None and not c.sampling_requested.get("tools"):
+                tools = []
+        paths[c.id] = _Path(
+            [*history, *_sent(c.messages_delta)],
+            tools,
+            [*ids, c.id],
+            truncated or c.finish_reason == "length",
+        )
+    rows = []
+    for c in ok:
+        assert c.id is not None
+        if c.id in extended or c.id not in paths:
+            continue
+        path = paths[c.id]
+        if not include_side_requests and side_request_reason(c.sampling_requested, uses_tools):
+            counts.skip("side request")
+        elif path.truncated:
+            counts.skip("an answer was cut by max_tokens")
+        elif path.tools is None:
+            counts.skip("tool definitions not recorded")
+        else:
+            rows.append(
+                {
+                    "messages": [*path.messages, dict(c.response)],
+                    "tools": path.tools,
+                    "rollout_id": rollout.id,
+                    "run_id": rollout.run_id,
+                    "task_id": rollout.task_id,
+                    "reward": rollout.reward,
+                    "branch_id": c.branch_id,
+                    "call_ids": path.call_ids,
+                    "models": sorted({by_id[i].model for i in path.call_ids}),
+                    "engines": sorted({by_id[i].engine for i in path.call_ids}),
+                }
+            )
+    return rows
+
+
+async def export_sft(
+    store: Store,
+    out: Path,
+    *,
+    run_id: str | None = None,
+    min_reward: float | None = None,
+    statuses: Sequence[str] = ("closed",),
+    include_side_requests: bool = False,
+) -> ExportCounts:
+    """Write the chat rows of the store's rollouts that pass the filters to `out` (JSONL)."""
+    counts = ExportCounts()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    offset, page = 0, 500
+    with out.open("w") as f:
+        while True:
+            rollouts = await store.list_rollouts(run_id=run_id, limit=page, offset=offset)
+            offset += len(rollouts)
+            for r in rollouts:
+                if statuses and r.status not in statuses:
+                    continue
+                if min_reward is not None and (r.reward is None or r.reward < min_reward):
+                    continue
+                counts.rollouts += 1
+                for row in chat_rows(
+                    r, await store.calls(r.id), counts, include_side_requests=include_side_requests
+                ):
+                    f.write(json.dumps(row, ensure_ascii=False))
+                    f.write("\n")
+                    counts.rows += 1
+            if len(rollouts) < page:
+                return counts

@@ -1,0 +1,1 @@
+"""Bridges to external training frameworks (each in its own subpackage, imported only when used)."""
