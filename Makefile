@@ -3,9 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_DIR ?= .demo
+DEMO_DIR ?= runs/demo
 
-.PHONY: venv demo test lint typecheck unit sysdeps test-vllm bench clean
+.PHONY: venv demo demo-quick test lint typecheck unit sysdeps test-vllm bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,9 +17,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## The main job on the embedded default: a tiny model, the gateway, a real OpenAI client.
-demo: $(STAMP)
-	$(BIN)/python -m openforgerl.demo --workdir $(DEMO_DIR)
+## The main job on the embedded default: a tiny model learns tools-tiny (oracle SFT, then GRPO) in local
+## sandboxes through the gateway; runs/demo/report.md holds the before/after table and the reward curve.
+demo: $(STAMP) sysdeps
+	$(BIN)/python -m openforgerl.demo --out $(DEMO_DIR)
+
+## The same path at toy sizes (a few minutes): proves the pipeline, not learning.
+demo-quick: $(STAMP) sysdeps
+	$(BIN)/python -m openforgerl.demo --quick --no-progress --out $(DEMO_DIR)-quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -40,7 +45,7 @@ unit: $(STAMP) sysdeps
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV) $(VENV)-vllm $(VENV)-bench $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV)-vllm $(VENV)-bench $(DEMO_DIR) $(DEMO_DIR)-quick .pytest_cache .mypy_cache .ruff_cache
 
 ## A real vLLM (CPU build) in its own venv, for tests/test_vllm_engine.py (about 3.5 GB, about 2 min).
 VLLM_VENV := .venv-vllm

@@ -241,8 +241,8 @@ def test_tools_tiny_is_deterministic_with_disjoint_splits() -> None:
     tasks = load_tasks("tools-tiny")
     assert tasks == tools_tiny.generate(seed=0) and tasks != tools_tiny.generate(seed=1)
     train, heldout = load_tasks("tools-tiny", "train"), load_tasks("tools-tiny", "heldout")
-    assert (len(train), len(heldout)) == (200, 50)
-    assert len({t.id for t in tasks}) == 250
+    assert (len(train), len(heldout)) == (1000, 50)
+    assert len({t.id for t in tasks}) == 1050
 
     def content(t: Task) -> tuple[object, ...]:
         assert isinstance(t.files, dict)

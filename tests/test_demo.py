@@ -1,0 +1,71 @@
+"""`make demo`'s pipeline end to end at toy sizes: teacher, SFT, GRPO, three held-out evaluations,
+the report and the curve; and a rerun that continues instead of starting over."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from openforgerl import demo
+
+pytestmark = pytest.mark.timeout(900)
+
+TOY = dict(
+    teacher_tasks=4,
+    sft_epochs=2,
+    rl_steps=2,
+    rl_group=2,
+    rl_batch_tasks=1,
+    eval_tasks=2,
+    eval_n=2,
+    concurrency=4,
+    progress=False,
+)
+
+
+def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(demo.DemoConfig(out=tmp_path / "demo"), **TOY)  # type: ignore[arg-type]
+    report = demo.run(cfg)
+    out = tmp_path / "demo"
+
+    # The oracle teacher solves every task it is given; SFT trains on all of them and learns.
+    assert report["sft"]["samples"] == 4
+    assert report["sft"]["loss_after"] < report["sft"]["loss_before"]
+
+    # Three evaluations on held-out tasks only, each with n runs per task and an interval.
+    assert list(report["evaluations"]) == ["before", "sft", "rl"]
+    for name, ev in report["evaluations"].items():
+        assert ev["rollouts"] == 4, name
+        assert 0.0 <= ev["pass@1"]["low"] <= ev["pass@1"]["estimate"] <= ev["pass@1"]["high"] <= 1.0
+        runs = json.loads((out / "eval" / name / "report.json").read_text())["summary"]["per_task"]
+        assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
+
+    # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
+    assert [r["step"] for r in report["rl_steps"]] == [1, 2]
+    rl_summary = json.loads((out / "rl" / "rl_summary.json").read_text())
+    assert Path(rl_summary["checkpoint"]).name == "step-000002"
+
+    md = (out / "report.md").read_text()
+    for row in (
+        "| before SFT |",
+        "| after SFT |",
+        "| after RL (GRPO) |",
+        "![reward curve](reward_curve.png)",
+    ):
+        assert row in md
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A rerun finds every phase done: no rollout, no training, the same numbers.
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in {".json", ".jsonl", ".db"}}
+    again = demo.run(cfg)
+    assert again["evaluations"] == report["evaluations"]
+    assert again["seconds"] == report["seconds"]
+    changed = [
+        p
+        for p, t in stamps.items()
+        if p.stat().st_mtime_ns != t and p.name not in {"report.json", "timings.json"}
+    ]
+    assert changed == []
