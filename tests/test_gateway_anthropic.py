@@ -69,7 +69,7 @@ def sse_events(text: str) -> list[tuple[str, dict[str, Any]]]:
     """(event name, data) of every SSE event; keep-alive comments skipped."""
     out = []
     for chunk in text.split("\n\n"):
-        lines = [line for line in chunk.split("\n") if not line.startswith(":")]
+        lines = [line for line in chunk.split("\n") if line and not line.startswith(":")]
         if lines:
             assert lines[0].startswith("event: ") and lines[1].startswith("data: "), chunk
             out.append((lines[0][7:], orjson.loads(lines[1][6:])))

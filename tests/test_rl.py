@@ -241,6 +241,24 @@ def test_engine_logprobs_equal_the_trainers_after_a_step(
     }
 
 
+def test_a_server_engine_starts_one_version_back_and_gets_the_weights_pushed_first(
+    tiny_model_dir: Path,
+) -> None:
+    """`openforge train --engine vllm:URL`: a server's weights are unknown until the loop pushes the
+    starting model (or the last checkpoint); that push brings the engine to the trainer's version."""
+    from openforgerl.engines.vllm import VLLMEngine
+    from openforgerl.rl.loop import _start_engine
+
+    server, push_first = _start_engine("vllm:http://127.0.0.1:9", tiny_model_dir, 3)
+    assert isinstance(server, VLLMEngine) and push_first
+    assert server.policy_version == 2 and server.base_url == "http://127.0.0.1:9"
+    asyncio.run(server.close())
+    builtin, push_first = _start_engine("builtin", tiny_model_dir, 3)
+    assert isinstance(builtin, TransformersEngine) and not push_first and builtin.policy_version == 3
+    with pytest.raises(ValueError, match="unknown engine"):
+        _start_engine("vllm", tiny_model_dir, 0)
+
+
 # ---- SFT -------------------------------------------------------------------------------------
 
 
@@ -259,6 +277,13 @@ def test_chat_sample_masks_assistant_turns_only(tiny_model_dir: Path) -> None:
     trained = tok.decode([i for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m])
     call_text = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
     assert trained == f"{call_text}<|im_end|>It says 17.<|im_end|>"
+
+    # `weight: 0` (OpenAI's fine-tuning convention): the turn stays in the context, untrained.
+    weighted = [*messages[:1], {**messages[1], "weight": 0}, *messages[2:]]
+    w = chat_sample(weighted, None, tok)
+    assert w.input_ids == s.input_ids
+    trained_w = tok.decode([i for i, m in zip(w.input_ids, w.loss_mask, strict=True) if m])
+    assert trained_w == "It says 17.<|im_end|>"
 
 
 def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -7,7 +7,11 @@ The tests marked `vllm` start a real vLLM server (CPU build, `.venv-vllm`, built
 - finish reasons: length, stop string, stop token id, EOS (the EOS id is in completion_ids);
 - seeds reproduce, 8 concurrent requests, context-length handling, cancellation aborts the request;
 - load_weights swaps in a different checkpoint (outputs and policy_version change) and back;
-  a reload that changes a tied embedding is pinned as an expected failure (vLLM CPU limitation).
+  a reload that changes a tied embedding is pinned as an expected failure (vLLM CPU limitation);
+- weight updates in place from the trainer: a GRPO step on completions sampled by vLLM, saved and
+  pushed with `Trainer.push_weights`, after which vLLM's logprobs are the trainer's, and
+  `openforge train --engine vllm:URL` for two steps and a resumed third (a second server, on an
+  untied copy of the tiny model, so a reload can change the LM head).
 Run them with `make test-vllm` (the default pytest run deselects the `vllm` marker).
 
 The server runs with `--logprobs-mode processed_logprobs`, so logprobs are of logits / temperature
@@ -17,6 +21,7 @@ The server runs with `--logprobs-mode processed_logprobs`, so logprobs are of lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -301,10 +306,16 @@ def work_dir() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, work_dir: Path) -> Iterator[Server]:
     """A real vLLM OpenAI server on a free port, started from `.venv-vllm`, killed at the end."""
+    with serve_vllm(tiny_model_dir, work_dir / "server.log") as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve_vllm(model_dir: Path, log: Path) -> Iterator[Server]:
+    """A real vLLM OpenAI server for `model_dir` (served as "tiny") on a free port, killed on exit."""
     if not VLLM_PYTHON.exists():
         pytest.skip("no .venv-vllm: run `make test-vllm` (it builds the vLLM venv)")
     port = free_port()
-    log = work_dir / "server.log"
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
@@ -317,7 +328,7 @@ def vllm_server(tiny_model_dir: Path, work_dir: Path) -> Iterator[Server]:
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(tiny_model_dir),
+        str(model_dir),
         "--served-model-name",
         "tiny",
         "--host",
@@ -351,7 +362,7 @@ def vllm_server(tiny_model_dir: Path, work_dir: Path) -> Iterator[Server]:
             time.sleep(0.5)
         ready_s = time.monotonic() - t0
         print(f"\nvLLM server ready in {ready_s:.1f} s (log: {log})")
-        yield Server(url, tiny_model_dir, log, ready_s)
+        yield Server(url, model_dir, log, ready_s)
     finally:
         _kill_tree(proc)
 
@@ -386,13 +397,7 @@ class Teacher:
     def logprobs(
         self, path: Path, prompt: list[int], completion: list[int], temperature: float
     ) -> list[float]:
-        import torch
-
-        with torch.no_grad():
-            logits = self.model(path)(torch.tensor([prompt + completion])).logits[0].float()
-        scaled = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
-        lp = torch.log_softmax(scaled, dim=-1)
-        return lp.gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+        return forced_logprobs(self.model(path), prompt, completion, temperature)
 
     def check(self, path: Path, prompt: list[int], r: GenerateResult, temperature: float) -> float:
         """Assert the recorded logprobs are the model's for the recorded ids; the max difference."""
@@ -401,6 +406,19 @@ class Teacher:
         diff = max(abs(a - b) for a, b in zip(r.logprobs, want, strict=True))
         assert diff < LOGPROB_TOL, (diff, r.completion_ids)
         return diff
+
+
+def forced_logprobs(
+    model: Any, prompt: list[int], completion: list[int], temperature: float = 1.0
+) -> list[float]:
+    """Teacher-forced logprobs of `completion` after `prompt` under `model`, at `temperature`."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    scaled = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+    lp = torch.log_softmax(scaled, dim=-1)
+    return [float(x) for x in lp.gather(1, torch.tensor(completion)[:, None])[:, 0]]
 
 
 @pytest.fixture(scope="session")
@@ -742,3 +760,179 @@ def test_bad_weights_path_is_refused_before_it_reaches_vllm(vllm_server: Server,
 
     run_engine(vllm_server.url, go)
     assert httpx.get(f"{vllm_server.url}/health", timeout=5).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight updates in place from the trainer, on a second server: an untied copy of the tiny model,
+# since vLLM's CPU backend does not reload a tied LM head (test_reload_of_a_tied_embedding).
+
+# vLLM's float32 CPU kernels against the trainer's float32 forward (measured max |diff| about 2e-5).
+PUSH_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tiny_model_dir: Path, work_dir: Path) -> Path:
+    """The tiny model with an LM head of its own (tie_word_embeddings False), equal to the embedding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dst = work_dir / "untied"
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.save_pretrained(dst)
+    for f in tiny_model_dir.iterdir():  # tokenizer, chat template
+        if not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"] is False
+    return dst
+
+
+@pytest.fixture(scope="module")
+def untied_server(untied_model_dir: Path, work_dir: Path) -> Iterator[Server]:
+    with serve_vllm(untied_model_dir, work_dir / "server-untied.log") as server:
+        yield server
+
+
+def _sample(prompt: list[int], r: GenerateResult, rollout_id: str) -> Any:
+    from openforgerl.trajectory import NO_VERSION, Sample
+
+    n = len(r.completion_ids)
+    return Sample(
+        rollout_id=rollout_id,
+        reward=0.0,
+        branch_id=0,
+        branch_reason="",
+        input_ids=prompt + r.completion_ids,
+        loss_mask=[0] * len(prompt) + [1] * n,
+        logprobs=[0.0] * len(prompt) + r.logprobs,
+        policy_versions=[NO_VERSION] * len(prompt) + [r.policy_version] * n,
+    )
+
+
+@vllm
+def test_a_trainer_step_pushed_into_vllm_gives_the_trainers_logprobs(
+    untied_server: Server, tokenizer: Any, prompt: list[int], work_dir: Path
+) -> None:
+    """One GRPO step of the embedded trainer on completions vLLM sampled, saved and pushed in place:
+    vLLM's logprobs for a fixed prompt are then the trainer's, and both versions went up by one."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from openforgerl.rl.trainer import Rollout, Trainer, TrainerConfig
+
+    base = untied_server.model_dir
+    other = list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Read a.txt and b.txt."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
+    trainer = Trainer(base, TrainerConfig(lr=5e-3), group_size=2)
+    checkpoint = work_dir / "grpo-step"
+
+    async def go(eng: VLLMEngine) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        # The server's weights are whatever earlier tests left: load the base, as `openforge train`
+        # does, from one version back, so the engine's version is the trainer's (0).
+        assert await eng.load_weights(str(base)) == trainer.policy_version == 0
+        behaviour = [
+            (p, await eng.generate(p, SamplingParams(temperature=1.0, max_tokens=24, seed=seed)))
+            for p in (prompt, other)
+            for seed in (1, 2)
+        ]
+        # Groups of two per prompt with a toy reward (the first sample wins): advantages of +-1.
+        rollouts = [
+            Rollout(f"prompt{k // 2}", 1.0 - k % 2, [_sample(p, r, f"r{k}")])
+            for k, (p, r) in enumerate(behaviour)
+        ]
+        metrics = trainer.train_step(rollouts)
+        trainer.save(checkpoint, metrics=metrics)
+        out["metrics"], out["behaviour"] = metrics, behaviour
+        t0 = time.monotonic()
+        out["version"] = await trainer.push_weights(eng, checkpoint)
+        out["push_s"] = time.monotonic() - t0
+        out["after"] = await eng.generate(prompt, SamplingParams(temperature=1.0, max_tokens=32, seed=9))
+        return out
+
+    out = run_engine(untied_server.url, go, policy_version=-1)
+    metrics, after = out["metrics"], out["after"]
+    assert all(r.policy_version == 0 for _, r in out["behaviour"])
+    assert metrics["updated"] is True and metrics["samples"] == 4
+    # The behaviour logprobs (vLLM's) were the trainer's own before the step: IS weights of 1.
+    assert metrics["is_weight_min"] == pytest.approx(1.0, abs=PUSH_TOL)
+    assert metrics["is_weight_max"] == pytest.approx(1.0, abs=PUSH_TOL)
+    # Versions: one up on both sides, and the calls after the push carry the new one.
+    assert trainer.policy_version == 1 == out["version"] == after.policy_version
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["policy_version"] == 1
+
+    ids = after.completion_ids
+    recomputed = trainer.policy.sample_logprobs([_sample(prompt, after, "fixed")])[0][len(prompt) :]
+    diff = max(abs(a - b) for a, b in zip(after.logprobs, recomputed, strict=True))
+    # Not vacuous: the old weights, or the new ones with the old LM head (what a stale head would
+    # serve), score these tokens far off.
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    old = forced_logprobs(base_model, prompt, ids)
+    stale_head = copy.deepcopy(trainer.policy.model).eval()
+    with torch.no_grad():
+        stale_head.lm_head.weight.copy_(base_model.lm_head.weight)
+    stale = forced_logprobs(stale_head, prompt, ids)
+    old_diff = max(abs(a - b) for a, b in zip(after.logprobs, old, strict=True))
+    stale_diff = max(abs(a - b) for a, b in zip(after.logprobs, stale, strict=True))
+    print(
+        f"after a pushed step, {len(ids)} tokens: max |vLLM - trainer| = {diff:.2e}; against the old "
+        f"weights {old_diff:.2e}, against an old LM head {stale_diff:.2e}; push {out['push_s']:.2f} s"
+    )
+    assert diff < PUSH_TOL, (diff, ids)
+    assert old_diff > 20 * PUSH_TOL and stale_diff > 20 * PUSH_TOL
+
+
+def _call_versions(gateway_db: Path) -> dict[str, set[int]]:
+    """The policy versions of every recorded call, by runner run id (RUN-stepN)."""
+    import sqlite3
+
+    with sqlite3.connect(gateway_db) as db:
+        rows = db.execute(
+            "SELECT r.run_id, c.policy_version FROM calls c JOIN rollouts r ON r.id = c.rollout_id"
+        ).fetchall()
+    out: dict[str, set[int]] = {}
+    for run_id, version in rows:
+        out.setdefault(run_id, set()).add(version)
+    return out
+
+
+@vllm
+def test_openforge_train_against_vllm_and_resume(untied_server: Server, work_dir: Path) -> None:
+    """`openforge train --engine vllm:URL`: two steps, then --resume to a third. Each step's calls carry
+    the version of the weights pushed after the step before, the resumed run's included (it pushes
+    its last checkpoint first), and the run folder is given relative (the server gets absolute paths)."""
+    import sys
+
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-m", "openforgerl.cli", "train", "--out", "train-run"]
+    first = [
+        *["--engine", f"vllm:{untied_server.url}", "--model", str(untied_server.model_dir)],
+        *["--steps", "2", "--group", "2", "--batch-tasks", "1", "--lr", "1e-3"],
+        # A random model never earns a reward: train on the (all-zero) groups anyway, so versions advance.
+        *["--max-tokens", "12", "--max-turns", "2", "--concurrency", "2", "--keep-zero-variance"],
+    ]
+    t0 = time.monotonic()
+    for extra in (first, ["--resume", "--steps", "3"]):
+        done = subprocess.run(
+            argv + extra, cwd=work_dir, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    seconds = time.monotonic() - t0
+    run = work_dir / "train-run"
+    assert "3 steps, policy version 3" in done.stdout
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["policy_version"]) for m in logged] == [(1, 1), (2, 2), (3, 3)]
+    assert json.loads((run / "run.json").read_text())["engine"] == f"vllm:{untied_server.url}"
+    # Step k's calls came from the weights of step k - 1 (version 0: the starting model, pushed first).
+    assert _call_versions(run / "gateway.db") == {f"train-run-step{k}": {k - 1} for k in (1, 2, 3)}
+    pushes = [m["time/push"] for m in logged]
+    print(f"openforge train --engine vllm: 3 steps (2 + 1 resumed) in {seconds:.1f} s; pushes {pushes}")

@@ -386,6 +386,13 @@ def _rollout_options(fn: Any) -> Any:
         click.option("--max-tokens", type=int, default=256, show_default=True, help="Per model call."),
         click.option("--max-turns", type=int, default=12, show_default=True, help="ReAct harness turns."),
         click.option(
+            "--temperature",
+            type=float,
+            default=1.0,
+            show_default=True,
+            help="Sampling temperature (embedded gateway; 0: greedy).",
+        ),
+        click.option(
             "--on-failure",
             type=click.Choice(["zero", "drop", "verify"]),
             default="zero",
@@ -420,6 +427,7 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
         concurrency=kw["concurrency"],
         max_tokens=kw["max_tokens"],
         max_turns=kw["max_turns"],
+        temperature=kw["temperature"],
         on_failure=kw["on_failure"],
         out=Path(kw["out"] or default_out),
     )
@@ -542,6 +550,13 @@ def view(
 @click.option("--eval-limit", type=int, default=None, help="Only the first N held-out tasks.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option(
+    "--engine",
+    default=None,
+    help="builtin (transformers, this process) or vllm:URL: a vLLM server started with "
+    "VLLM_SERVER_DEV_MODE=1 that reads the run folder at the same path (it reloads each checkpoint "
+    "from disk).  [default: builtin; --resume may change it]",
+)
+@click.option(
     "--overlap/--no-overlap",
     default=None,
     help="Run the next step's rollouts while this step trains.  [default: no-overlap; --resume may "
@@ -599,6 +614,8 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             opts.overlap = kw["overlap"]
         if kw["max_lag"] is not None:
             opts.max_lag = kw["max_lag"]
+        if kw["engine"] is not None:
+            opts.engine = kw["engine"]
     else:
         if model_dir is None:
             raise click.BadParameter("give the starting model directory", param_hint="--model")
@@ -617,6 +634,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             eval_limit=kw["eval_limit"],
             overlap=bool(kw["overlap"]),
             max_lag=1 if kw["max_lag"] is None else kw["max_lag"],
+            engine=kw["engine"] or "builtin",
             trainer=TrainerConfig(
                 lr=kw["lr"],
                 estimator=kw["algo"],
@@ -633,9 +651,11 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
                 ),
             ),
         )
+    from openforgerl.engines.base import EngineError
+
     try:
         summary = train(opts, resume=resume)
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+    except (FileExistsError, FileNotFoundError, ValueError, EngineError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(
         f"{summary['steps']} steps, policy version {summary['policy_version']}; "

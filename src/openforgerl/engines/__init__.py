@@ -5,19 +5,20 @@ from __future__ import annotations
 from openforgerl.engines.base import Engine
 
 
-def make_engine(spec: str, model_dir: str) -> Engine:
-    """`builtin` (transformers in this process), `vllm:URL` or `sglang:URL`."""
+def make_engine(spec: str, model_dir: str, *, policy_version: int = 0) -> Engine:
+    """`builtin` (transformers in this process), `vllm:URL` or `sglang:URL`; `policy_version` is the
+    version of the weights the engine starts with (its calls carry it until the first load_weights)."""
     kind, _, url = spec.partition(":")
     if kind == "builtin":
         from openforgerl.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model_dir)
+        return TransformersEngine(model_dir, policy_version=policy_version)
     if kind in ("vllm", "sglang") and url:
         if kind == "vllm":
             from openforgerl.engines.vllm import VLLMEngine
 
-            return VLLMEngine(url)
+            return VLLMEngine(url, policy_version=policy_version)
         from openforgerl.engines.sglang import SGLangEngine
 
-        return SGLangEngine(url)
+        return SGLangEngine(url, policy_version=policy_version)
     raise ValueError(f"unknown engine {spec!r}: use builtin, vllm:URL or sglang:URL")

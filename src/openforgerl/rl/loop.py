@@ -36,6 +36,20 @@ rollouts came from weights at most max_lag versions before the ones it trains on
 run starts from the last checkpoint, which is the newest weights the engine ever had); it happens
 when a run is resumed with a lower --max-lag than its rollouts were made under.
 
+Engines (`engine`, as `openforge gateway --engine` takes it): `builtin` runs transformers in this
+process; `vllm:URL` (or `sglang:URL`) uses a running inference server. A vLLM server must be started
+with VLLM_SERVER_DEV_MODE=1 (weights are reloaded through its /collective_rpc `reload_weights`) and,
+for a temperature other than 1, `--logprobs-mode processed_logprobs` (the behaviour logprobs must be
+of logits / temperature, as the trainer's are). Weights go to a server as paths: checkpoints (and,
+before the first rollout, the starting model) must be on a filesystem the server reads at the same
+path (the same machine, or a shared mount of the run folder); paths are sent absolute. A server's
+weights are whatever it holds when the loop starts (the model it was started with, or weights an
+earlier run left there), so the loop first loads the starting model, or on --resume the last
+checkpoint, into it: the engine starts one version back and that load brings it to the trainer's
+policy version, so recorded versions are right from the first call. vLLM 0.32's CPU backend keeps a
+stale LM head on reload for models with tied embeddings (see engines/vllm.py): train such models
+with the builtin engine there, or untie them.
+
 Each step's metrics time it: time/rollout (its rollouts, wherever they ran), time/wait (how long
 the trainer waited for them: all of time/rollout when synchronous), time/train (the trainer's
 step; time/update its optimizer loop alone), time/save, time/push, time/step (this step's wall
@@ -60,7 +74,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from openforgerl.engines.transformers_engine import TransformersEngine
+from openforgerl.engines import make_engine
+from openforgerl.engines.base import Engine
 from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_thread
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, iter_checkpoints, passed
 from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, react_harness
@@ -94,6 +109,7 @@ class TrainOptions:
     progress: bool = True
     overlap: bool = False  # rollouts of the next step(s) run while this one trains
     max_lag: int = 1  # policy versions a trained sample may lag behind the trainer (and prefetch depth)
+    engine: str = "builtin"  # builtin, vllm:URL or sglang:URL (see the module docstring)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def to_json(self) -> dict[str, Any]:
@@ -226,9 +242,37 @@ def evaluate(gw: RunningGateway, opts: TrainOptions, tasks: Sequence[Task], step
     }
 
 
-def _start_engine(model_dir: Path, version: int) -> TransformersEngine:
-    # A resumed run's engine starts on the checkpoint's weights: its calls must carry that version.
-    return TransformersEngine(model_dir, policy_version=version)
+def _start_engine(spec: str, model_dir: Path, version: int) -> tuple[Engine, bool]:
+    """The engine of `spec` and whether `model_dir` must be pushed into it before the first rollout.
+
+    The builtin engine loads `model_dir` itself: a resumed run's engine starts on the checkpoint's
+    weights, so its calls carry that version. A server holds weights of its own: it starts one
+    version back, and the push of `model_dir` brings it to `version`.
+    """
+    if spec == "builtin":
+        return make_engine(spec, str(model_dir), policy_version=version), False
+    return make_engine(spec, str(model_dir), policy_version=version - 1), True
+
+
+def _push(
+    trainer: Trainer, engine: Engine, checkpoint: Path, loop: asyncio.AbstractEventLoop | None = None
+) -> int:
+    """Load `checkpoint` into the engine (an absolute path: a server resolves paths on its side),
+    on `loop` when given: the gateway's, where a server engine's HTTP client lives."""
+    push = trainer.push_weights(engine, checkpoint.resolve())
+    if loop is None:
+        return asyncio.run(push)
+    if not loop.is_running():  # the gateway's thread has ended: nothing would ever run the push
+        push.close()
+        raise RuntimeError("the gateway's event loop is not running")
+    return asyncio.run_coroutine_threadsafe(push, loop).result()
+
+
+def _check_version(engine_version: int, trainer: Trainer) -> None:
+    if engine_version != trainer.policy_version:
+        raise RuntimeError(
+            f"the engine is at policy version {engine_version}, the trainer at {trainer.policy_version}"
+        )
 
 
 @dataclass
@@ -403,9 +447,10 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     else:
         trainer = Trainer(opts.model, opts.trainer, group_size=opts.group)
         model_dir = Path(opts.model)
-    engine = _start_engine(model_dir, trainer.policy_version)
+    engine, sync_first = _start_engine(opts.engine, model_dir, trainer.policy_version)
     gw_cfg = GatewayConfig(
         model=str(model_dir),
+        engine=opts.engine,
         port=0,
         store=str(run_dir / "gateway.db"),
         max_tokens=opts.max_tokens,
@@ -415,6 +460,8 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     t_start = time.monotonic()
     try:
         with serve_in_thread(gw_cfg, engine) as gw:
+            if sync_first:  # before any rollout (and before the prefetcher starts)
+                _check_version(_push(trainer, engine, model_dir, gw.loop), trainer)
             if opts.eval_every and trainer.step == 0 and 0 not in log.steps():
                 log.write(0, {"policy_version": 0, **evaluate(gw, opts, eval_tasks, 0)})
 
@@ -433,7 +480,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
                     t0 = time.monotonic()
                     batch = prefetch.get(step) if prefetch else collect(step)
                     waited = time.monotonic() - t0
-                    metrics = _train_on(batch, engine, trainer, opts, waited)
+                    metrics = _train_on(batch, engine, trainer, opts, waited, loop=gw.loop)
                     if prefetch:
                         prefetch.pushed(step)
                     metrics["time/step"] = time.monotonic() - t0
@@ -460,9 +507,16 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
 
 
 def _train_on(
-    batch: StepRollouts, engine: TransformersEngine, trainer: Trainer, opts: TrainOptions, waited: float
+    batch: StepRollouts,
+    engine: Engine,
+    trainer: Trainer,
+    opts: TrainOptions,
+    waited: float,
+    *,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> dict[str, Any]:
-    """Train one step on `batch`, save the checkpoint and load it into the engine."""
+    """Train one step on `batch`, save the checkpoint and load it into the engine (on `loop`, the
+    gateway's, when given)."""
     step = batch.step
     rollouts, lag = lag_bound(batch.rollouts, trainer.policy_version, opts.max_lag)
     train_start, t0 = time.time(), time.monotonic()
@@ -481,11 +535,7 @@ def _train_on(
     metrics["time/save"] = time.monotonic() - t1
     if metrics["updated"]:
         t2 = time.monotonic()
-        version = asyncio.run(trainer.push_weights(engine, checkpoint))
-        if version != trainer.policy_version:
-            raise RuntimeError(
-                f"the engine is at policy version {version}, the trainer at {trainer.policy_version}"
-            )
+        _check_version(_push(trainer, engine, checkpoint, loop), trainer)
         metrics["time/push"] = time.monotonic() - t2
     # Wall-clock stamps, nested so TensorBoard leaves them out: they show how steps overlapped.
     metrics["timeline"] = {
