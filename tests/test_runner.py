@@ -220,8 +220,11 @@ def test_eval_killed_mid_run_resumes_without_losing_or_repeating(
     def finished() -> int:
         if not state.exists():
             return 0
-        with sqlite3.connect(state) as db:
-            return int(db.execute("SELECT COUNT(*) FROM rollouts WHERE status='done'").fetchone()[0])
+        try:
+            with sqlite3.connect(state) as db:
+                return int(db.execute("SELECT COUNT(*) FROM rollouts WHERE status='done'").fetchone()[0])
+        except sqlite3.OperationalError:  # the file exists before the runner has created its table
+            return 0
 
     deadline = time.monotonic() + 300
     while finished() < 2 and time.monotonic() < deadline and proc.poll() is None:
