@@ -45,6 +45,8 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
 
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
+    for r in report["rl_steps"]:  # the table's "groups dropped" column reads the trainer's own count
+        assert 0 <= r["groups_dropped_zero_variance"] <= 1
     rl_summary = json.loads((out / "rl" / "rl_summary.json").read_text())
     assert Path(rl_summary["checkpoint"]).name == "step-000002"
 

@@ -244,7 +244,14 @@ def build_report(
         "rl_steps": [
             {
                 k: r.get(k)
-                for k in ("step", "reward_mean", "pass_rate", "groups_dropped", "loss", "policy_version")
+                for k in (
+                    "step",
+                    "reward_mean",
+                    "pass_rate",
+                    "groups_dropped_zero_variance",
+                    "loss",
+                    "policy_version",
+                )
             }
             for r in rl
         ],
@@ -329,7 +336,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), float) else "—"
         lines.append(
             f"| {r['step']} | {r.get('reward_mean') or 0:.3f} | {r.get('pass_rate') or 0:.3f} | "
-            f"{r.get('groups_dropped') or 0} | {loss} |"
+            f"{r.get('groups_dropped_zero_variance') or 0} | {loss} |"
         )
     tps = report["trainer_tokens_per_s"]
     lines += [
