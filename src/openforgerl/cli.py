@@ -692,7 +692,7 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
 @click.option("--model", "model_dir", required=True, help="The student model dir (HF format).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the trained model goes.")
 @click.option("--epochs", type=int, default=3, show_default=True)
-@click.option("--lr", type=float, default=1e-5, show_default=True, help="(a tiny model from scratch: 3e-3)")
+@click.option("--lr", type=float, default=1e-5, show_default=True, help="(from scratch: 1e-3)")
 @click.option("--batch-size", type=int, default=16, show_default=True, help="Sequences per step.")
 @click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
