@@ -150,10 +150,8 @@ class TokenMemory:
     tips: list[Tip] = field(default_factory=list)
     next_branch_id: int = 0
 
-    def plan(self, messages: Sequence[Message], tools: Sequence[Tool]) -> PromptPlan:
-        keys = [message_key(m) for m in messages]
-        tkey = tools_key(tools)
-        text = self.renderer.render(messages, tools)
+    def longest_tip(self, keys: list[bytes], tkey: bytes) -> Tip | None:
+        """The tip with the same tools whose messages are the longest proper prefix of `keys`."""
         best: Tip | None = None
         for tip in self.tips:
             n = len(tip.keys)
@@ -164,6 +162,13 @@ class TokenMemory:
                 and keys[:n] == tip.keys
             ):
                 best = tip
+        return best
+
+    def plan(self, messages: Sequence[Message], tools: Sequence[Tool]) -> PromptPlan:
+        keys = [message_key(m) for m in messages]
+        tkey = tools_key(tools)
+        text = self.renderer.render(messages, tools)
+        best = self.longest_tip(keys, tkey)
         reason = ""
         if best is not None:
             plen = best.prompt_text_len

@@ -42,7 +42,7 @@ import orjson
 from openforgerl.conversation import Conversation, Message, SamplingRequest, ToolCall, parse_arguments
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request
 from openforgerl.jsonutil import dumps
-from openforgerl.rendering import PromptPlan, Tip, TokenMemory, message_key, tools_key
+from openforgerl.rendering import PromptPlan, TokenMemory, message_key, tools_key
 
 UpstreamKind = Literal["openai", "anthropic"]
 KINDS: tuple[UpstreamKind, ...] = ("openai", "anthropic")
@@ -565,16 +565,7 @@ class TextMemory(TokenMemory):
     def plan(self, messages: Any, tools: Any) -> PromptPlan:
         keys = [message_key(m) for m in messages]
         tkey = tools_key(tools)
-        best: Tip | None = None
-        for tip in self.tips:
-            n = len(tip.keys)
-            if (
-                n < len(keys)
-                and tip.tools_key == tkey
-                and (best is None or n > len(best.keys))
-                and keys[:n] == tip.keys
-            ):
-                best = tip
+        best = self.longest_tip(keys, tkey)
         return PromptPlan(
             prompt_ids=[],
             prompt_text="",
