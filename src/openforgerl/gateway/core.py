@@ -392,10 +392,6 @@ class GatewayCore:
         row = record("ok", "", result, message)
         row.parse_errors = errors
         call_id = await self._record_ok(session, plan, row, result.completion_ids, message, turn_end)
-        self.counters["calls"] += 1
-        self.counters[
-            "extended" if row.parent_call_id is not None and not row.branch_reason else "new_branch"
-        ] += 1
         return CallOutcome(
             call_id=call_id,
             message=message,
@@ -446,11 +442,7 @@ class GatewayCore:
             },
         }
         call_id = await self._record_ok(session, plan, row, [], reply.message, True)
-        self.counters["calls"] += 1
         self.counters["upstream_calls"] += 1
-        self.counters[
-            "extended" if row.parent_call_id is not None and not row.branch_reason else "new_branch"
-        ] += 1
         return CallOutcome(
             call_id=call_id,
             message=reply.message,
@@ -491,6 +483,10 @@ class GatewayCore:
                 session.memory.tips.remove(commit.tip)
             raise
         commit.tip.call_id = call_id
+        self.counters["calls"] += 1
+        self.counters[
+            "extended" if row.parent_call_id is not None and not row.branch_reason else "new_branch"
+        ] += 1
         return call_id
 
     async def _record_failure(self, session: Session, row: CallRow) -> None:
