@@ -40,7 +40,15 @@ What the viewer reads (the contract with the runner and the trainer):
 The API (GET only; errors are `{"error": {"status", "message", "param"}}` with a 4xx status):
 `/api/info`, `/api/runs`, `/api/run?run=`, `/api/metrics?run=&after=STEP`,
 `/api/rollouts?run=&page=&page_size=&sort=[-]KEY&status=&task=&dialect=&failure=&min_reward=&max_reward=`,
-`/api/rollout?run=&id=`, `/api/tokens?run=&id=`. The front end polls an active run every few seconds.
+`/api/rollout?run=&id=`, `/api/tokens?run=&id=`, `/api/images/DIGEST?run=`. The front end polls an
+active run every few seconds.
+
+Images: a recorded message names its images by digest (the hex sha256 of their bytes, kept once
+each in the store's `images` table). `/api/rollout` gives each message's `images` as
+`{"digest", "url", "stored", "media_type", "width", "height", "size"}` (no bytes) and each call's
+`image_digests` (its full prompt's, in order); `/api/images/DIGEST?run=` serves the bytes with their
+media type and immutable caching (the name is the content): 400 for a malformed digest, 404 for
+one the run's store lacks. The page shows lazy thumbnails that open at full size.
 """
 
 from openforgerl.ui.app import ViewerConfig, build_app, is_loopback, serve

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -38,7 +39,7 @@ from openforgerl.ui.runs import (
     runner_record,
     trainer_tokens,
 )
-from openforgerl.ui.store import MAX_PAGE_SIZE, SORTS, Filters, StoreView, failure_reason
+from openforgerl.ui.store import DIGEST, MAX_PAGE_SIZE, SORTS, Filters, StoreView, failure_reason
 from openforgerl.ui.tokens import token_view
 
 STATIC = Path(__file__).parent / "static"
@@ -46,6 +47,8 @@ COOKIE = "openforge_view_token"
 DISCOVERY_TTL = 2.0  # seconds a run listing is reused: polls from several tabs share one scan
 NO_RUN_ID = "(no run id)"  # the run of rollouts opened without a run_id
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+# An image's URL names its bytes (their sha256): a browser may keep it for good and never ask again.
+IMAGE_CACHE = "private, max-age=31536000, immutable"
 CSP = "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'"
 
 
@@ -304,6 +307,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
             for s in view["samples"]
         ]
         any_tools = any(c.sampling_requested.get("tools") for c in calls)
+        images = _image_refs(viewer.store_view(found.store) if found.store else None, found.name, calls)
         return _json(
             {
                 "run": found.name,
@@ -311,7 +315,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
                 "stats": stats,
                 "failure": failure_reason(row.status, row.details, stats.get("failed_calls", 0)),
                 "runner": runner_record(found.folder, row.id),
-                "calls": [_call_json(c, any_tools) for c in calls],
+                "calls": [_call_json(c, any_tools, images) for c in calls],
                 "samples": samples,
             }
         )
@@ -320,6 +324,23 @@ def build_app(cfg: ViewerConfig) -> Starlette:
         found, (row, calls, _) = viewer.rollout(request)
         trainer = trainer_tokens(found.folder, row.id)
         return _json(token_view(calls, float(row.reward or 0.0), viewer.model_for(found), trainer))
+
+    def image(request: Request) -> Response:
+        found = viewer.run(request)
+        digest = request.path_params["digest"].lower()
+        if not DIGEST.fullmatch(digest):
+            named = "an image is named by the sha256 of its bytes (64 hex digits)"
+            raise ApiError(400, f"{named}, got {digest[:80]!r}", "digest")
+        headers = {"cache-control": IMAGE_CACHE, "etag": f'"{digest}"'}
+        if _etag_matches(request.headers.get("if-none-match", ""), digest):
+            return Response(status_code=304, headers=headers)  # the same name is the same bytes
+        got = viewer.store_view(found.store).image(digest) if found.store else None
+        if got is None:
+            raise ApiError(404, f"no image {digest} in the store of run {found.name!r}", "digest")
+        media_type, data = got
+        extension = media_type.rsplit("/", 1)[-1] if media_type.startswith("image/") else "bin"
+        headers["content-disposition"] = f'inline; filename="{digest[:16]}.{extension}"'
+        return Response(data, media_type=media_type, headers=headers)
 
     def index(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers={"cache-control": "no-cache"})
@@ -352,6 +373,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
             Route("/api/rollouts", rollouts),
             Route("/api/rollout", rollout),
             Route("/api/tokens", tokens),
+            Route("/api/images/{digest}", image),
             Route("/api/{rest:path}", api_404),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],
@@ -363,7 +385,42 @@ def build_app(cfg: ViewerConfig) -> Starlette:
     return app
 
 
-def _call_json(c: CallRow, any_tools: bool) -> dict[str, Any]:
+def _etag_matches(header: str, digest: str) -> bool:
+    tags = {t.strip().removeprefix("W/").strip('"') for t in header.split(",")}
+    return digest in tags or "*" in tags
+
+
+def _image_refs(view: StoreView | None, run: str, calls: list[CallRow]) -> dict[str, dict[str, Any]]:
+    """What the front end needs to show each image the calls' messages name, by digest: its URL,
+    size in pixels (so a thumbnail takes its place before it loads) and whether the store has it."""
+    named = [d for c in calls for m in c.messages_delta for d in _digests(m)]
+    named += [d for c in calls for d in _digests(c.response)]
+    info = view.image_info(named) if view is not None else {}
+    empty = {"media_type": None, "width": None, "height": None, "size": None}
+    return {
+        d: {
+            "digest": d,
+            "url": f"/api/images/{d}?{urlencode({'run': run})}",
+            "stored": d in info,
+            **info.get(d, empty),
+        }
+        for d in dict.fromkeys(named)
+    }
+
+
+def _digests(message: Any) -> list[str]:
+    found = message.get("images") if isinstance(message, dict) else None
+    return [d for d in found if isinstance(d, str)] if isinstance(found, list) else []
+
+
+def _with_images(message: Any, images: dict[str, dict[str, Any]]) -> Any:
+    """A recorded message with its image digests replaced by the images' descriptions."""
+    if not _digests(message):
+        return message
+    return {**message, "images": [images[d] for d in _digests(message)]}
+
+
+def _call_json(c: CallRow, any_tools: bool, images: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "id": c.id,
         "seq": c.seq,
@@ -385,8 +442,9 @@ def _call_json(c: CallRow, any_tools: bool) -> dict[str, Any]:
         "created_at": c.created_at,
         "sampling_requested": c.sampling_requested,
         "sampling_used": c.sampling_used,
-        "messages": c.messages_delta,
-        "response": c.response,
+        "messages": [_with_images(m, images) for m in c.messages_delta],
+        "response": _with_images(c.response, images),
+        "image_digests": c.image_digests,
         "parse_errors": c.parse_errors,
     }
 

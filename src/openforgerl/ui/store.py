@@ -11,12 +11,19 @@ stay index-backed at 100,000+ rollouts:
 
 Every page query is `... WHERE run_id = ? ORDER BY <key>, rowid LIMIT ? OFFSET ?` on one index,
 with the join order fixed by CROSS JOIN so the planner cannot trade the index for a sort.
+
+Images (screenshots a harness sent) are kept once each in the store's `images` table, named by the
+hex sha256 of their bytes; calls name them by digest. A store from before images has neither the
+table nor the calls' `image_digests` column, and the viewer cannot add them (read-only): it reads
+such a store as one without images.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +91,13 @@ SORTS: dict[str, tuple[str, str]] = {
     "dialect": ("s", "s.dialect"),
 }
 MAX_PAGE_SIZE = 500
+
+DIGEST = re.compile(r"[0-9a-f]{64}")  # an image's name: the hex sha256 of its bytes
+# What the gateway stores (it reads the type off the bytes); anything else is served as opaque bytes.
+IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/webp", "image/gif"})
+# The calls' columns for a store from before images, which lacks `image_digests`.
+_OLD_CALL_COLS = _CALL_COLS.replace("image_digests", "'[]' AS image_digests")
+_IN_CHUNK = 500  # digests per `IN (...)` query, below SQLite's limit on parameters
 
 
 @dataclass(frozen=True)
@@ -291,8 +305,9 @@ class StoreView:
             row = found.fetchone()
             if row is None:
                 return None
+            cols = _CALL_COLS if self._has_column("calls", "image_digests") else _OLD_CALL_COLS
             calls = self._db.execute(
-                f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id = ? ORDER BY seq", (rollout_id,)
+                f"SELECT {cols} FROM calls WHERE rollout_id = ? ORDER BY seq", (rollout_id,)
             ).fetchall()
             stats = self._db.execute(
                 "SELECT turns, tokens, sampled, failed_calls, dialect FROM temp.rollout_stats"
@@ -300,6 +315,50 @@ class StoreView:
                 (rollout_id,),
             ).fetchone()
         return _rollout_from_row(row), [_call_from_row(c) for c in calls], dict(stats) if stats else {}
+
+    def _has_column(self, table: str, column: str) -> bool:
+        # Asked on every read, not once: a newer gateway may migrate an old store while it is viewed.
+        return any(r["name"] == column for r in self._db.execute(f"PRAGMA main.table_info({table})"))
+
+    def _has_images(self) -> bool:
+        found = self._db.execute("SELECT 1 FROM main.sqlite_master WHERE type = 'table' AND name = 'images'")
+        return found.fetchone() is not None
+
+    def image_info(self, digests: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Media type, size in pixels and in bytes of the stored images among `digests` (unknown
+        ones are absent); the bytes themselves stay in the store."""
+        wanted = list(dict.fromkeys(digests))
+        out: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            if not wanted or not self._has_images():
+                return out
+            for i in range(0, len(wanted), _IN_CHUNK):
+                chunk = wanted[i : i + _IN_CHUNK]
+                rows = self._db.execute(
+                    "SELECT digest, media_type, width, height, length(bytes) AS size FROM images"
+                    f" WHERE digest IN ({','.join('?' * len(chunk))})",
+                    chunk,
+                )
+                for r in rows:
+                    out[r["digest"]] = {
+                        "media_type": r["media_type"],
+                        "width": r["width"],
+                        "height": r["height"],
+                        "size": r["size"],
+                    }
+        return out
+
+    def image(self, digest: str) -> tuple[str, bytes] | None:
+        """One stored image's media type and bytes, or None when the store does not hold it."""
+        with self._lock:
+            if not self._has_images():
+                return None
+            found = self._db.execute("SELECT media_type, bytes FROM images WHERE digest = ?", (digest,))
+            row = found.fetchone()
+        if row is None:
+            return None
+        media_type = row["media_type"] if row["media_type"] in IMAGE_TYPES else "application/octet-stream"
+        return media_type, bytes(row["bytes"])
 
     def run_totals(self, run_id: str) -> dict[str, Any]:
         """Counts by status, reward mean and pass rate (reward >= 1), rollouts finished per bucket."""

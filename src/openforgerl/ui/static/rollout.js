@@ -1,10 +1,11 @@
 // One rollout, in the order a newcomer follows it: the task, the turns as the harness saw them, the
 // verifier's verdict and reward, then the training samples and their tokens.
-import { poll, rolloutsHref, runHref, setCrumbs } from "./nav.js";
+import { onLeave, poll, rolloutsHref, runHref, setCrumbs } from "./nav.js";
 import { renderTokens } from "./tokens.js";
 import { api, badge, fmt, h, jsonBlock, kv, rewardCell, section } from "./util.js";
 
 const LONG = 1500; // characters shown before a message folds
+const THUMB = { width: 360, height: 240 }; // the box every thumbnail fits in (CSS pixels)
 
 function text(content) {
   if (!content) return null;
@@ -17,8 +18,47 @@ function args(value) {
   return typeof value === "string" ? value : JSON.stringify(value, null, 2);
 }
 
+// A thumbnail's size: the picture scaled down (never up) into THUMB, aspect kept. The <img> carries
+// it as width/height, so the page is laid out before any image arrives and nothing jumps.
+function fit(width, height) {
+  const scale = Math.min(1, THUMB.width / width, THUMB.height / height);
+  return [Math.max(1, Math.round(width * scale)), Math.max(1, Math.round(height * scale))];
+}
+
+// The full-size view: one <dialog> for the page, closed by Escape, a click, or leaving the page.
+let lightbox = null;
+function openImage(im) {
+  if (!lightbox) {
+    lightbox = h("dialog", { class: "lightbox", onclick: () => lightbox.close() });
+    document.body.append(lightbox);
+  }
+  const full = h("img", { src: im.url, width: im.width, height: im.height, alt: `image ${im.digest.slice(0, 12)} at full size` });
+  const caption = h("figcaption", {}, `${im.width}×${im.height} · ${im.media_type} · ${fmt.int(im.size)} bytes · sha256 ${im.digest.slice(0, 16)}… · `,
+    h("a", { href: im.url, target: "_blank", rel: "noopener", onclick: (e) => e.stopPropagation() }, "open the original"));
+  lightbox.replaceChildren(h("figure", {}, full, caption));
+  if (!lightbox.open) lightbox.showModal();
+}
+
+// A message's images, in the order the model saw them (before its text). Only the thumbnails near
+// the viewport load (loading=lazy): a GUI rollout can hold hundreds of screenshots.
+function images(list) {
+  if (!list?.length) return null;
+  return h("div", { class: "images" }, list.map((im, i) => {
+    if (!im.stored) return h("div", { class: "thumb missing", title: im.digest }, `image ${im.digest.slice(0, 12)}… is not in the store`);
+    const [width, height] = fit(im.width, im.height);
+    const open = (e) => {
+      if (e.button !== 0 || e.ctrlKey || e.metaKey || e.shiftKey) return; // let the browser open a tab
+      e.preventDefault();
+      openImage(im);
+    };
+    return h("a", { class: "thumb", href: im.url, target: "_blank", rel: "noopener", title: "click for full size", onclick: open },
+      h("img", { src: im.url, loading: "lazy", decoding: "async", width, height, alt: `image ${i + 1} (${im.width}×${im.height})`, dataset: { digest: im.digest } }),
+      h("span", { class: "dims" }, `${im.width}×${im.height}`));
+  }));
+}
+
 // One message of the internal conversation shape: role, content, reasoning, tool_calls,
-// tool_call_id, name. Every dialect is stored in this shape, so every dialect renders alike.
+// tool_call_id, name, images. Every dialect is stored in this shape, so every dialect renders alike.
 function message(m, { generated = false, by = "the policy" } = {}) {
   const role = m.role || "?";
   const label = generated ? "assistant" : role === "tool" ? "tool result" : role;
@@ -26,11 +66,12 @@ function message(m, { generated = false, by = "the policy" } = {}) {
   return h("div", { class: `msg ${role}${generated ? " generated" : ""}` },
     h("div", { class: "role" }, label, note ? h("span", { class: "note" }, note) : null),
     m.reasoning ? h("details", { class: "reasoning" }, h("summary", {}, "reasoning"), h("div", { class: "content" }, m.reasoning)) : null,
+    images(m.images),
     text(m.content),
     (m.tool_calls || []).map((c) => h("div", { class: "toolcall" },
       h("div", { class: "toolname" }, `→ calls tool ${c.function?.name ?? c.name}`, c.id ? h("span", { class: "muted" }, ` (${c.id})`) : null),
       h("pre", {}, args(c.function?.arguments ?? c.arguments)))),
-    !m.content && !m.reasoning && !(m.tool_calls || []).length ? h("div", { class: "content muted" }, "(empty)") : null);
+    !m.content && !m.reasoning && !(m.tool_calls || []).length && !(m.images || []).length ? h("div", { class: "content muted" }, "(empty)") : null);
 }
 
 function callCard(c, index) {
@@ -60,12 +101,13 @@ function callCard(c, index) {
 }
 
 function firstUserMessage(calls) {
-  for (const c of calls) for (const m of c.messages) if (m.role === "user" && m.content) return m.content;
+  for (const c of calls) for (const m of c.messages) if (m.role === "user" && (m.content || m.images?.length)) return m;
   return null;
 }
 
 export async function renderRollout(page, run, id) {
   const data = await api("rollout", { run, id });
+  onLeave(() => lightbox?.close());
   const r = data.rollout;
   setCrumbs([run, runHref(run)], ["Rollouts", rolloutsHref(run)], [r.task_id || id]);
   const seconds = r.closed_at ? r.closed_at - r.created_at : null;
@@ -87,7 +129,7 @@ export async function renderRollout(page, run, id) {
   page.append(h("div", { id: "task" }, section("1 · Task", "The task as the harness first put it to the model (its first user message).",
     kv([["task", r.task_id], ["run", r.run_id], ["status", badge(r.status)], ["time", fmt.secs(seconds)],
       ["dialect", data.stats.dialect || "–"], ["started", new Date(r.created_at * 1000).toLocaleString()]]),
-    task ? h("div", { class: "msg user" }, h("div", { class: "role" }, "user"), text(task)) : null)));
+    task ? h("div", { class: "msg user" }, h("div", { class: "role" }, "user"), images(task.images), text(task.content)) : null)));
 
   page.append(h("div", { id: "turns" }, section("2 · Turns", "Each model call the harness made through the gateway: the messages it sent (in any dialect, shown in one shape) and what the policy generated.",
     data.calls.length ? data.calls.map(callCard) : h("p", { class: "empty" }, "No model calls recorded."))));
