@@ -24,7 +24,16 @@ from tqdm import tqdm
 from openforgerl.engines.base import Engine
 from openforgerl.eval_stats import summarize
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
-from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, react_harness
+from openforgerl.runner import (
+    HarnessFactory,
+    OnFailure,
+    RolloutResult,
+    Runner,
+    RunnerConfig,
+    Status,
+    gui_harness,
+    react_harness,
+)
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
 from openforgerl.trajectory import build_samples, calls_from_json, token_stats
@@ -44,6 +53,7 @@ class EvalOptions:
     concurrency: int = 4
     max_tokens: int = 256
     max_turns: int = 12
+    max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
     temperature: float = 1.0
     on_failure: OnFailure = "zero"
     out: Path = Path("runs/eval")
@@ -79,8 +89,7 @@ Recorded = dict[str, Any]  # gateway rollout id -> the JSON of its recorded call
 
 def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[RolloutResult], Recorded]:
     """Run every selected task n times; returns the results and what the gateway recorded."""
-    if opts.harness != "react":
-        raise ValueError(f"harness {opts.harness!r}: only the built-in 'react' harness runs in sandboxes yet")
+    harness = _harness(opts)
     tasks = _select(opts)
     n = opts.n or opts.k
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +110,7 @@ def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[
             bar.set_postfix_str(f"last {r.task_id}: {r.outcome or r.status.value} reward={r.reward}")
 
         async def go() -> list[RolloutResult]:
-            runner = Runner(cfg, LocalBackend(), react_harness(opts.max_turns, opts.max_tokens))
+            runner = Runner(cfg, LocalBackend(), harness)
             try:
                 return await runner.run(tasks, n, on_done=done)
             finally:
@@ -113,6 +122,15 @@ def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[
             bar.close()
         recorded = _recorded(url, token, results)
     return results, recorded
+
+
+def _harness(opts: EvalOptions) -> HarnessFactory:
+    """The built-in harnesses that run in local sandboxes: react (tools) and gui (a browser)."""
+    if opts.harness == "react":
+        return react_harness(opts.max_turns, opts.max_tokens)
+    if opts.harness == "gui":
+        return gui_harness(opts.max_steps, opts.max_tokens)
+    raise ValueError(f"harness {opts.harness!r}: the built-in harnesses are 'react' and 'gui'")
 
 
 def _recorded(url: str, token: str, results: list[RolloutResult]) -> dict[str, Any]:

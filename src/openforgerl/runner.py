@@ -13,7 +13,6 @@ so a restarted run skips finished rollouts and redoes only the interrupted ones.
 from __future__ import annotations
 
 import asyncio
-import base64
 import enum
 import io
 import json
@@ -34,6 +33,7 @@ from openforgerl.harnesses.base import Harness
 from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
 from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
 from openforgerl.tasks.verify import (
+    GatewayAccess,
     VerifierError,
     VerifierResult,
     parse_verifier_output,
@@ -147,6 +147,43 @@ def react_harness(
         turns = int(task.harness_options.get("max_turns", max_turns))
         argv = [python, "-m", "openforgerl.react_agent", "--base-url", base_url, "--api-key", api_key]
         argv += ["--task", "@/tmp/openforge-task.txt", "--max-turns", str(turns)]
+        if max_tokens:
+            argv += ["--max-tokens", str(max_tokens)]
+        return HarnessLaunch(argv, {}, {"/tmp/openforge-task.txt": task.instruction})
+
+    return launch
+
+
+GUI_MAX_STEPS = 15  # OSWorld's smallest limit; it also runs 50 and 100
+
+
+def gui_harness(
+    max_steps: int | None = None,
+    max_tokens: int | None = None,
+    python: str = sys.executable,
+    a11y: bool = False,
+    width: int = 640,
+    height: int = 480,
+) -> HarnessFactory:
+    """The built-in GUI harness (openforgerl.gui_agent): headless Chromium on the task's local site
+    (`harness_options.site`, e.g. web-basic's) or at `harness_options.start_url`. `max_steps` (e.g.
+    15, 50 or 100) overrides the task's own `harness_options.max_steps` (default 15); `a11y` adds
+    the accessibility tree to each screenshot (for text-only policies)."""
+
+    async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
+        opts = task.harness_options
+        steps = max_steps or int(opts.get("max_steps", GUI_MAX_STEPS))
+        argv = [python, "-m", "openforgerl.gui_agent", "--base-url", base_url, "--api-key", api_key]
+        argv += ["--task", "@/tmp/openforge-task.txt", "--max-steps", str(steps)]
+        if opts.get("site"):
+            argv += ["--site", str(opts["site"])]
+        elif opts.get("start_url"):
+            argv += ["--start-url", str(opts["start_url"])]
+        else:
+            raise ValueError(f"task {task.id}: the gui harness needs harness_options.site or start_url")
+        argv += ["--width", str(width), "--height", str(height)]
+        if a11y or opts.get("a11y"):
+            argv.append("--a11y")
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
         return HarnessLaunch(argv, {}, {"/tmp/openforge-task.txt": task.instruction})
@@ -324,7 +361,7 @@ class Runner:
                 r.status, r.reward = Status.DONE, 0.0
             else:
                 t2 = time.monotonic()
-                verdict = await self._verify(task, sandbox)
+                verdict = await self._verify(task, sandbox, r.gateway_rollout_id)
                 r.seconds["verify"] = time.monotonic() - t2
                 r.status, r.reward = Status.DONE, verdict.reward
                 r.details["verifier"] = verdict.details
@@ -375,12 +412,15 @@ class Runner:
                 # The task's own set-up failing is an environment fault, not the policy's.
                 raise SandboxStartError(f"setup {command!r} failed ({done.exit_code}): {done.stderr[-500:]}")
 
-    async def _verify(self, task: Task, sandbox: Sandbox) -> VerifierResult:
+    async def _verify(self, task: Task, sandbox: Sandbox, rollout_id: str = "") -> VerifierResult:
         verifier = task.verifier
         if isinstance(verifier, PythonVerifier):
+            # Python verifiers that declare a `gateway` parameter get it (e.g. an LLM judge).
+            cfg = self.cfg
+            gateway = GatewayAccess(cfg.gateway_url, cfg.admin_token, cfg.run_id, rollout_id, task.id)
             with tempfile.TemporaryDirectory() as tmp:
                 await _copy_out(sandbox, Path(tmp))
-                return await asyncio.to_thread(run_python_verifier, verifier, Path(tmp))
+                return await asyncio.to_thread(run_python_verifier, verifier, Path(tmp), gateway)
         assert isinstance(verifier, CommandVerifier)
         if verifier.files is not None:
             with tempfile.TemporaryDirectory() as tmp:
@@ -414,13 +454,16 @@ def _outcome(ran: ExecResult) -> str:
 
 
 async def _copy_out(sandbox: Sandbox, dest: Path) -> None:
-    """Copy the work dir out of the sandbox (a tar stream made inside it) for a Python verifier.
-
-    Bounded by the sandbox's output cap (1 MiB of base64): Python verifiers are for small states;
-    larger ones belong in a command verifier that runs inside the sandbox.
-    """
-    done = await sandbox.exec(["sh", "-c", "tar -cf - . | base64 -w0"], timeout=120)
-    if not done.ok or done.stdout_truncated:
+    """Copy the work dir out of the sandbox for a Python verifier: a tar file made inside, read back
+    with get_file, whose limit (hundreds of MiB) is far above an exec's output cap (1 MiB), so a
+    state with files like the GUI harness's screenshots comes out whole."""
+    archive = "/tmp/openforge-workdir.tar"  # outside the work dir, which it must not contain
+    done = await sandbox.exec(["tar", "-cf", archive, "."], timeout=120)
+    if not done.ok:
         raise VerifierError(f"could not copy the work dir out of the sandbox: {done.stderr[-300:]}")
-    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(done.stdout)), mode="r:") as tar:
+    try:
+        data = await sandbox.get_file(archive)
+    except (OSError, ValueError) as exc:
+        raise VerifierError(f"could not copy the work dir out of the sandbox: {exc}") from exc
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         tar.extractall(dest, filter="data")

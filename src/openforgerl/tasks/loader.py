@@ -97,14 +97,26 @@ def suite_names() -> list[str]:
     return sorted(_SUITES)
 
 
+def _benchmark(spec: str) -> list[Task] | None:
+    """`webvoyager:PATH`, `online-mind2web:PATH`: a public benchmark's own task file (tasks.webbench)."""
+    from openforgerl.tasks import webbench  # here: webbench uses this module's TaskError
+
+    prefix, colon, path = spec.partition(":")
+    load = webbench.FORMATS.get(prefix) if colon else None
+    return load(path) if load is not None else None
+
+
 def load_tasks(path_or_suite_name: str | Path, split: Split | None = None) -> list[Task]:
-    """Tasks of a built-in suite (by name), a task file, or every task file directly in a folder.
+    """Tasks of a built-in suite (by name), a task file, every task file directly in a folder, or a
+    public benchmark's file (`webvoyager:PATH`, `online-mind2web:PATH`).
 
     A folder is not searched recursively: task folders hold the tasks' own files, which may be
     YAML too. Ids must be unique across everything loaded.
     """
     if isinstance(path_or_suite_name, str) and path_or_suite_name in _SUITES:
         tasks = _SUITES[path_or_suite_name]()
+    elif isinstance(path_or_suite_name, str) and (found := _benchmark(path_or_suite_name)) is not None:
+        tasks = found
     else:
         path = Path(path_or_suite_name)
         if path.is_dir():
@@ -116,7 +128,8 @@ def load_tasks(path_or_suite_name: str | Path, split: Split | None = None) -> li
         else:
             raise TaskError(
                 f"{path_or_suite_name}: neither a task file, a folder, nor a suite "
-                f"(built-in suites: {', '.join(suite_names())})"
+                f"(built-in suites: {', '.join(suite_names())}), nor FORMAT:PATH of a benchmark's own "
+                "file (webvoyager, online-mind2web)"
             )
         loaded = [(f, t) for f in files for t in load_task_file(f)]
         _check_unique(loaded)
@@ -133,3 +146,12 @@ def dump_tasks(tasks: Iterable[Task], path: str | Path) -> None:
 
 register_suite("tools-tiny", tools_tiny.generate)
 register_suite("claw-basic", lambda: load_task_file(CLAW_BASIC_DIR / "tasks.yaml"))
+
+
+def _web_basic() -> list[Task]:
+    from openforgerl.web import suite  # on use: it imports this module's schema in turn
+
+    return suite.generate()
+
+
+register_suite("web-basic", _web_basic)

@@ -37,7 +37,9 @@ Fields
         called in the runner's process as ``function(workdir: Path, **kwargs)`` on the final work
         directory (copied out of the sandbox); it returns a reward (float or bool) or a mapping
         ``{"reward": ..., ...details}``. Never use it to execute what the agent wrote: that belongs
-        in a command verifier, inside the sandbox.
+        in a command verifier, inside the sandbox. A function with a ``gateway`` parameter also gets
+        the gateway's URL, admin token and the scored rollout (``tasks.verify.GatewayAccess``), e.g.
+        to ask an LLM judge through an upstream (``openforgerl.web.judge:judge``).
 ``timeout``
     Seconds the harness may run (default 600).
 ``resources``

@@ -8,6 +8,7 @@ by the tests and by a local backend without isolation.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import shutil
@@ -31,6 +32,30 @@ class VerifierError(RuntimeError):
 
 class SetupError(RuntimeError):
     """A task's setup command failed: the task, not the policy, is broken."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayAccess:
+    """The gateway, for a Python verifier that calls it itself (an LLM judge through an upstream).
+
+    The runner passes it as the keyword argument `gateway` to verifiers whose function declares a
+    parameter of that name (others never see the admin token); outside a runner such a verifier
+    reads OPENFORGE_GATEWAY_URL and OPENFORGE_ADMIN_TOKEN instead (see `from_env`).
+    """
+
+    url: str  # as this process reaches it
+    admin_token: str
+    run_id: str = ""
+    rollout_id: str = ""  # the gateway rollout being scored
+    task_id: str = ""
+
+    @classmethod
+    def from_env(cls) -> GatewayAccess | None:
+        url = os.environ.get("OPENFORGE_GATEWAY_URL", "")
+        token = os.environ.get("OPENFORGE_ADMIN_TOKEN", "")
+        if not (url and token):
+            return None
+        return cls(url, token, run_id=os.environ.get("OPENFORGE_RUN_ID", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +130,23 @@ def prepare_local(task: Task, workdir: Path) -> None:
             )
 
 
-def run_python_verifier(verifier: PythonVerifier, workdir: Path) -> VerifierResult:
+def _takes_gateway(function: Any) -> bool:
+    try:
+        return "gateway" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return False
+
+
+def run_python_verifier(
+    verifier: PythonVerifier, workdir: Path, gateway: GatewayAccess | None = None
+) -> VerifierResult:
     module_name, _, function_name = verifier.python.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), function_name)
-        value = function(workdir, **verifier.kwargs)
+        kwargs = dict(verifier.kwargs)
+        if gateway is not None and _takes_gateway(function):
+            kwargs["gateway"] = gateway
+        value = function(workdir, **kwargs)
     except Exception as exc:
         raise VerifierError(f"the verifier {verifier.python} failed: {exc!r}") from exc
     return reward_from_value(value)

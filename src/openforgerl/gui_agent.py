@@ -1,0 +1,566 @@
+"""The built-in GUI harness: a browser agent that sees screenshots and clicks, types and scrolls.
+
+It runs inside the rollout's sandbox, in the task's work directory, like the ReAct harness: it
+starts the task's site (`openforgerl.web`) on a free loopback port, opens it in Chromium, and loops:
+a screenshot (PNG; with --a11y also the page's accessibility tree and the positions of its
+controls) goes to the policy in one Chat Completions call (the `openai` client, the image as an
+`image_url` data URL in a user message), and the one action the policy calls is done in the
+browser. It stops when the policy calls `answer`, or after --max-steps calls.
+
+    python -m openforgerl.gui_agent --base-url URL --api-key KEY --task @FILE --site NAME \\
+        --max-steps 15 [--a11y] [--width 640 --height 480]
+
+Tools: click(x, y) in screenshot pixels, type(text) into the focused field, key(key) such as Enter,
+Tab, Backspace or Control+a, scroll(dy) in pixels (positive: down), navigate(url) within the site,
+answer(text) to finish (for a question, the answer; for a chore, a short note). An invalid action
+(unknown tool, bad arguments, no tool call, a click off the screen) costs a step and is reported to
+the policy as text, never a crash.
+
+Chromium is Debian's (/usr/bin/chromium, or --chromium), driven by Playwright's Python package;
+nothing is downloaded. It runs headless, so no display or X server is needed. `--no-sandbox` turns
+off Chromium's own sandbox only because it cannot nest inside ours: bubblewrap already gives the
+rollout its own user, pid and network namespaces, and the browser can reach nothing but the site
+(every other request is refused, the gateway's too).
+
+It writes `.openforge/gui/step-NNN.png` (what the policy saw at each step) and
+`.openforge/gui/result.json` (`{"answer", "steps", "stopped", "url", ...}`, what the verifiers
+read) into the work directory, and prints one JSON line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # bubblewrap is the sandbox: Chromium's own needs user namespaces it cannot nest
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+]
+OUT_DIR = ".openforge/gui"
+STATE = ".openforge/site.db"
+A11Y_LIMIT = 6000  # characters of accessibility text per step; the rest is elided
+MAX_TYPE = 1000
+MAX_SCROLL = 5000
+NAV_TIMEOUT_S = 10.0
+
+SYSTEM_PROMPT = (
+    "You operate a web browser to do a task. Each turn you get a screenshot of the browser "
+    "({width}x{height} pixels). Call exactly one tool per turn: click(x, y) at a point of the screenshot, "
+    "type(text) into the field that has the focus (click it first), key(key) to press a key such as "
+    "Enter, Tab, Backspace, ArrowDown or Control+a, scroll(dy) to scroll down (or up, negative), "
+    "navigate(url) to open a page of the site, answer(text) when you are done: the answer for a question, "
+    "otherwise a short note. You have {max_steps} turns."
+)
+
+
+def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
+    types = {"x": "integer", "y": "integer", "dy": "integer"}
+    properties = {p: {"type": types.get(p, "string"), "description": d} for p, d in params.items()}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(params)},
+        },
+    }
+
+
+TOOLS: list[dict[str, Any]] = [
+    _tool("click", "Click at a point of the screenshot.", x="pixels from the left", y="pixels from the top"),
+    _tool("type", "Type text into the focused field.", text="the text to type"),
+    _tool("key", "Press a key or a combination.", key="e.g. Enter, Tab, Backspace, ArrowDown, Control+a"),
+    _tool("scroll", "Scroll the page.", dy="pixels; positive scrolls down, negative up"),
+    _tool("navigate", "Open a URL of the site (a path like /cart works).", url="the URL or path"),
+    _tool("answer", "Finish the task with a short answer.", text="the answer, or a short note"),
+]
+TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
+
+# Interactive elements in view with their centres: what --a11y adds to the aria tree, so that a
+# policy without pixels (or a scripted test policy) can still point at things.
+_ELEMENTS_JS = """() => {
+  const W = innerWidth, H = innerHeight, out = [];
+  const sel = 'a[href], button, input, select, textarea, option, summary, [role=button], [role=link]';
+  for (const el of document.querySelectorAll(sel)) {
+    if (el.type === 'hidden') continue;
+    const select = el.tagName === 'OPTION' ? el.closest('select') : null;
+    if (el.tagName === 'OPTION' && !(select && (select.size > 1 || select.multiple))) continue;
+    const r = el.getBoundingClientRect();
+    if (r.width < 2 || r.height < 2) continue;
+    const x = Math.round(r.left + r.width / 2), y = Math.round(r.top + r.height / 2);
+    if (x < 0 || y < 0 || x >= W || y >= H) continue;
+    const hit = document.elementFromPoint(x, y);
+    const labelled = el.labels && [...el.labels].some(l => l.contains(hit));
+    if (!hit || !(hit === el || el.contains(hit) || hit.contains(el) || labelled)) continue;
+    const tag = el.tagName.toLowerCase(), type = (el.type || '').toLowerCase();
+    let role = {a: 'link', button: 'button', select: el.size > 1 ? 'listbox' : 'combobox',
+                textarea: 'textbox', option: 'option', summary: 'button'}[tag]
+               || el.getAttribute('role') || 'textbox';
+    if (tag === 'input') {
+      role = {checkbox: 'checkbox', radio: 'radio', submit: 'button', button: 'button'}[type] || 'textbox';
+    }
+    const label = el.labels && el.labels.length ? el.labels[0].innerText : '';
+    const text = tag === 'input' || tag === 'textarea' ? '' : el.innerText;
+    const name = (el.getAttribute('aria-label') || label || text || el.placeholder || el.name || '')
+      .trim().replace(/\\s+/g, ' ').slice(0, 80);
+    let state = '';
+    if (role === 'checkbox' || role === 'radio') state = el.checked ? ' checked' : ' unchecked';
+    if (role === 'option') state = el.selected ? ' selected' : '';
+    if (role === 'textbox' || role === 'combobox') {
+      state = ' value=' + JSON.stringify(String(el.value).slice(0, 60));
+    }
+    if (el === document.activeElement) state += ' focused';
+    out.push(`- ${role} ${JSON.stringify(name)}${state} at (${x}, ${y})`);
+  }
+  return out.join('\\n');
+}"""
+_EDITABLE_JS = """() => { const e = document.activeElement;
+  return !!e && (e.isContentEditable || ['INPUT', 'TEXTAREA', 'SELECT'].includes(e.tagName)); }"""
+
+
+class ActionError(ValueError):
+    """An action the policy got wrong: reported back to it, never raised out of the loop."""
+
+
+class SiteError(RuntimeError):
+    """The local site did not start: the environment's fault, not the policy's."""
+
+
+@dataclass
+class Outcome:
+    steps: int = 0  # policy calls made
+    stopped: str = ""  # answered | max_steps | api_error | site_error | browser_error
+    answer: str | None = None
+    url: str = ""  # the page at the end (path and query: the port is meaningless afterwards)
+    actions: int = 0
+    invalid_actions: int = 0
+    errors: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+# -- the site -------------------------------------------------------------------------------------
+@contextmanager
+def site_server(site: str, workdir: Path, state: str, timeout: float = 60.0) -> Iterator[str]:
+    """Serve the site from a child process on a loopback port this process binds (no port race)."""
+    import httpx
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    log = (workdir / OUT_DIR / "site.log").open("ab")
+    argv = [sys.executable, "-m", "openforgerl.web.serve", site, "--fd", str(sock.fileno()), "--state", state]
+    proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=log, pass_fds=[sock.fileno()])
+    sock.close()  # the child holds its own copy
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise SiteError(f"the {site} site exited with {proc.returncode} (see {OUT_DIR}/site.log)")
+            try:
+                if httpx.get(url + "/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SiteError(f"the {site} site did not answer within {timeout:.0f} s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+# -- the browser ----------------------------------------------------------------------------------
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+class Browser:
+    """One page in headless Chromium, with the actions and observations of the loop."""
+
+    def __init__(self, page: Any, width: int, height: int, allowed: str | None, blocked: str) -> None:
+        self.page, self.width, self.height = page, width, height
+        self.allowed, self.blocked = allowed, blocked  # origins: the only one allowed / never allowed
+        self._loading = False
+        page.on("request", self._on_request)
+        page.on("requestfailed", self._on_done)
+        page.on("load", lambda *_: setattr(self, "_loading", False))
+
+    def _on_request(self, request: Any) -> None:
+        if request.is_navigation_request() and request.frame == self.page.main_frame:
+            self._loading = True
+
+    def _on_done(self, request: Any) -> None:
+        if request.is_navigation_request() and request.frame == self.page.main_frame:
+            self._loading = False
+
+    def may_open(self, url: str) -> bool:
+        origin = _origin(url)
+        if not url.startswith(("http://", "https://")):
+            return url.startswith(("data:", "about:", "blob:"))
+        return origin != self.blocked and (self.allowed is None or origin == self.allowed)
+
+    def settle(self) -> None:
+        """Wait for a navigation that the action started (a form post, a link) to load."""
+        self.page.wait_for_timeout(60)
+        deadline = time.monotonic() + NAV_TIMEOUT_S
+        while self._loading and time.monotonic() < deadline:
+            self.page.wait_for_timeout(30)
+        self.page.wait_for_load_state("load", timeout=NAV_TIMEOUT_S * 1000)
+
+    def screenshot(self) -> bytes:
+        # caret "initial": the policy should see where the text cursor is.
+        return bytes(self.page.screenshot(type="png", caret="initial", timeout=NAV_TIMEOUT_S * 1000))
+
+    def where(self) -> str:
+        parts = urlsplit(self.page.url)
+        if self.allowed is not None:
+            return parts.path + (f"?{parts.query}" if parts.query else "")
+        return self.page.url
+
+    def accessibility(self) -> str:
+        tree = self.page.locator("body").aria_snapshot(timeout=NAV_TIMEOUT_S * 1000)
+        elements = self.page.evaluate(_ELEMENTS_JS)
+        text = f"Accessibility tree:\n{tree}\nControls in view (centre x, y):\n{elements}"
+        if len(text) > A11Y_LIMIT:
+            text = text[:A11Y_LIMIT] + f"\n[... {len(text) - A11Y_LIMIT} characters elided ...]"
+        return text
+
+    def act(self, name: str, args: dict[str, Any]) -> str:
+        """Do one action; returns what happened, raises ActionError for an invalid one."""
+        page = self.page
+        if name == "click":
+            x, y = _int(args, "x"), _int(args, "y")
+            if not (0 <= x < self.width and 0 <= y < self.height):
+                raise ActionError(f"({x}, {y}) is off the screen, which is {self.width}x{self.height}")
+            page.mouse.click(x, y)
+            self.settle()
+            return f"clicked at ({x}, {y})"
+        if name == "type":
+            text = _str(args, "text")
+            if len(text) > MAX_TYPE:
+                raise ActionError(f"text too long ({len(text)} characters, {MAX_TYPE} at most)")
+            if not page.evaluate(_EDITABLE_JS):
+                raise ActionError("nothing to type into: click a text field first")
+            page.keyboard.type(text)
+            return f"typed {len(text)} characters"
+        if name == "key":
+            key = _str(args, "key").strip()
+            if not key or len(key) > 40:
+                raise ActionError("give one key name, like Enter, Tab or Control+a")
+            try:
+                page.keyboard.press(key)
+            except Exception as exc:  # Playwright's error for a key it does not know
+                raise ActionError(f"unknown key {key!r}: {str(exc).splitlines()[0]}") from exc
+            self.settle()
+            return f"pressed {key}"
+        if name == "scroll":
+            dy = _int(args, "dy")
+            if abs(dy) > MAX_SCROLL:
+                raise ActionError(f"scroll at most {MAX_SCROLL} pixels at once")
+            page.mouse.move(self.width // 2, self.height // 2)
+            page.mouse.wheel(0, dy)
+            page.wait_for_timeout(100)  # the wheel scrolls asynchronously
+            return f"scrolled by {dy}"
+        if name == "navigate":
+            url = urljoin(page.url, _str(args, "url").strip())
+            if not self.may_open(url):
+                raise ActionError(f"{url} is not part of this site")
+            page.goto(url, wait_until="load", timeout=NAV_TIMEOUT_S * 1000)
+            return f"opened {self.where()}"
+        raise ActionError(f"unknown tool {name!r}; the tools are {', '.join(TOOL_NAMES)}")
+
+
+def _int(args: dict[str, Any], key: str) -> int:
+    value = args.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ActionError(f"{key} must be a number, got {value!r:.40}")
+    return int(value)
+
+
+def _str(args: dict[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str):
+        raise ActionError(f"{key} must be a string, got {value!r:.40}")
+    return value
+
+
+@contextmanager
+def browser(
+    start_url: str, width: int, height: int, allowed: str | None, blocked: str, chromium: str
+) -> Iterator[Browser]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        instance = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        try:
+            context = instance.new_context(viewport={"width": width, "height": height}, device_scale_factor=1)
+            b = Browser(context.new_page(), width, height, allowed, blocked)
+
+            def route(r: Any) -> None:
+                if b.may_open(r.request.url):
+                    r.continue_()
+                else:
+                    r.abort("blockedbyclient")
+
+            context.route("**/*", route)
+            b.page.goto(start_url, wait_until="load", timeout=NAV_TIMEOUT_S * 3000)
+            yield b
+        finally:
+            instance.close()
+
+
+# -- the loop -------------------------------------------------------------------------------------
+def _image_part(png: bytes) -> dict[str, Any]:
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()},
+    }
+
+
+class History:
+    """The conversation, with at most `keep_images` screenshots sent as images.
+
+    Every screenshot costs hundreds of prompt tokens (and a vision encoder pass), so an episode of
+    50 or 100 steps cannot resend them all. Older observations become one line of text. They are
+    cut in batches, not one per step: when the count goes over the limit, all but the newest are
+    replaced at once. Between cuts every call extends the previous one's prompt, so the gateway's
+    token memory can merge those calls into one training sequence; each cut starts a new one.
+    """
+
+    def __init__(self, system: str, keep_images: int) -> None:
+        self.messages: list[Any] = [{"role": "system", "content": system}]
+        self.keep_images = max(1, keep_images)
+        self._with_image: list[tuple[int, str]] = []  # (message index, its text-only stand-in)
+
+    def observe(self, png: bytes, text: str, stand_in: str) -> None:
+        self.messages.append({"role": "user", "content": [_image_part(png), {"type": "text", "text": text}]})
+        self._with_image.append((len(self.messages) - 1, stand_in))
+        if len(self._with_image) > self.keep_images:
+            for index, short in self._with_image[:-1]:
+                self.messages[index] = {"role": "user", "content": short}
+            self._with_image = self._with_image[-1:]
+
+    @property
+    def images(self) -> int:
+        return len(self._with_image)
+
+
+def run(
+    base_url: str,
+    api_key: str,
+    task: str,
+    *,
+    site: str | None = None,
+    start_url: str | None = None,
+    model: str = "policy",
+    max_steps: int = 15,
+    max_tokens: int | None = None,
+    a11y: bool = False,
+    width: int = 640,
+    height: int = 480,
+    keep_images: int = 3,
+    workdir: Path = Path("."),
+    state: str = STATE,
+    chromium: str = CHROMIUM,
+) -> Outcome:
+    if (site is None) == (start_url is None):
+        raise ValueError("give a site to serve or a start URL, not both")
+    out_dir = workdir / OUT_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = Outcome()
+    t0 = time.monotonic()
+    try:
+        with _site_or_url(site, start_url, workdir, state) as url:
+            out.seconds["site_start"] = round(time.monotonic() - t0, 3)
+            t1 = time.monotonic()
+            allowed = _origin(url) if site else None
+            with browser(url, width, height, allowed, _origin(base_url), chromium) as b:
+                out.seconds["browser_start"] = round(time.monotonic() - t1, 3)
+                _loop(
+                    b, base_url, api_key, task, model, max_steps, max_tokens, a11y, keep_images, out_dir, out
+                )
+    except SiteError as exc:
+        out.stopped = "site_error"
+        out.errors.append(str(exc))
+    except Exception as exc:  # Playwright's errors: the browser failed, not the policy
+        out.stopped = out.stopped if out.stopped in ("answered", "max_steps") else "browser_error"
+        out.errors.append(f"{type(exc).__name__}: {str(exc)[:500]}")
+    out.seconds["total"] = round(time.monotonic() - t0, 3)
+    (out_dir / "result.json").write_text(json.dumps(asdict(out), indent=2))
+    return out
+
+
+def _loop(
+    b: Browser,
+    base_url: str,
+    api_key: str,
+    task: str,
+    model: str,
+    max_steps: int,
+    max_tokens: int | None,
+    a11y: bool,
+    keep_images: int,
+    out_dir: Path,
+    out: Outcome,
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=4, timeout=600)
+    history = History(SYSTEM_PROMPT.format(width=b.width, height=b.height, max_steps=max_steps), keep_images)
+    note = f"Task: {task}"  # what the next observation says first
+    model_s = browser_s = 0.0
+    try:
+        while True:
+            t = time.monotonic()
+            png = b.screenshot()
+            (out_dir / f"step-{out.steps:03d}.png").write_bytes(png)
+            out.url = where = b.where()
+            head = f"{note}\n" if note else ""
+            text = f"{head}Step {out.steps + 1} of {max_steps}. Page: {b.page.title()} ({where})"
+            if a11y:
+                text += "\n" + b.accessibility()
+            history.observe(png, text, f"{head}[screenshot of {where} at step {out.steps + 1}]")
+            browser_s += time.monotonic() - t
+            if out.steps >= max_steps:
+                out.stopped = "max_steps"
+                return
+            out.steps += 1
+            t = time.monotonic()
+            try:
+                reply = client.chat.completions.create(
+                    model=model,
+                    messages=history.messages,
+                    tools=TOOLS,  # type: ignore[arg-type]
+                    max_tokens=max_tokens or openai.omit,
+                )
+            except openai.APIError as exc:
+                out.stopped = "api_error"
+                out.errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            model_s += time.monotonic() - t
+            t = time.monotonic()
+            note, answer = _step(b, reply.choices[0].message, history, out)
+            browser_s += time.monotonic() - t
+            if answer is not None:
+                out.stopped, out.answer, out.url = "answered", answer, b.where()
+                return
+    finally:
+        out.seconds |= {"model": round(model_s, 3), "browser": round(browser_s, 3)}
+
+
+@contextmanager
+def _site_or_url(site: str | None, start_url: str | None, workdir: Path, state: str) -> Iterator[str]:
+    if site is not None:
+        with site_server(site, workdir, state) as url:
+            yield url
+    else:
+        assert start_url is not None
+        yield start_url
+
+
+def _step(b: Browser, msg: Any, history: History, out: Outcome) -> tuple[str, str | None]:
+    """Do the policy's action: (a note for the next observation, the answer if it answered)."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    history.messages.append(msg.model_dump(exclude_none=True, exclude={"reasoning_content"}))
+    calls = [c for c in msg.tool_calls or [] if getattr(c, "function", None) is not None]
+    if not calls:
+        out.invalid_actions += 1
+        return f"Invalid action: no tool call. Call exactly one of: {', '.join(TOOL_NAMES)}.", None
+    first, rest = calls[0], calls[1:]
+    answer = None
+    try:
+        args = json.loads(first.function.arguments or "{}")
+        if not isinstance(args, dict):
+            raise ActionError("the arguments must be a JSON object")
+        if first.function.name == "answer":
+            answer = _str(args, "text")
+            result = "answered"
+        else:
+            result = b.act(first.function.name, args)
+        out.actions += 1
+    except (ActionError, json.JSONDecodeError) as exc:
+        out.invalid_actions += 1
+        result = f"Invalid action: {exc}"
+    except PlaywrightError as exc:  # e.g. a page that never finished loading: the loop goes on
+        out.invalid_actions += 1
+        result = f"The action failed: {str(exc).splitlines()[0][:300]}"
+    history.messages.append({"role": "tool", "tool_call_id": first.id, "content": result})
+    for call in rest:  # one action per step: the others are answered, not done
+        history.messages.append(
+            {"role": "tool", "tool_call_id": call.id, "content": "Ignored: one action per step."}
+        )
+    return "", answer
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", required=True, help="the rollout's base URL (without /v1)")
+    ap.add_argument("--api-key", required=True)
+    ap.add_argument("--task", required=True, help="the instruction, or @FILE to read it from a file")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--site", help="a local site to serve: shop, booking, wiki or settings")
+    where.add_argument("--start-url", help="or a URL to start at (no local site)")
+    ap.add_argument("--max-steps", type=int, default=15, help="policy calls (OSWorld uses 15, 50 or 100)")
+    ap.add_argument(
+        "--a11y", action="store_true", help="also send the accessibility tree and control positions"
+    )
+    ap.add_argument("--width", type=int, default=640)
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--keep-images", type=int, default=3, help="screenshots kept as images in the prompt")
+    ap.add_argument("--model", default="policy")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--workdir", default=".")
+    ap.add_argument("--state", default=STATE, help="the site's state file (in the work directory)")
+    ap.add_argument("--chromium", default=CHROMIUM)
+    a = ap.parse_args(argv)
+    task = Path(a.task[1:]).read_text() if a.task.startswith("@") else a.task
+    out = run(
+        a.base_url,
+        a.api_key,
+        task,
+        site=a.site,
+        start_url=a.start_url,
+        model=a.model,
+        max_steps=a.max_steps,
+        max_tokens=a.max_tokens,
+        a11y=a.a11y,
+        width=a.width,
+        height=a.height,
+        keep_images=a.keep_images,
+        workdir=Path(a.workdir),
+        state=a.state,
+        chromium=a.chromium,
+    )
+    print(json.dumps(asdict(out)), flush=True)
+    return 0 if out.stopped in ("answered", "max_steps") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
