@@ -13,3 +13,9 @@ from openforgerl.modelkit import cached_model
 def tiny_model_dir() -> Path:
     """The kit's tiny Qwen2 model; built once per machine and kit version, then reused from the cache."""
     return cached_model("tiny", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir() -> Path:
+    """The kit's tiny Qwen2-VL (read-only: tests that write use tests.vlm_helpers.tiny_vlm)."""
+    return cached_model("tiny", 0, vision=True)

@@ -48,7 +48,9 @@ class ScriptEngine:
         self._version += 1
         return self._version
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Any = ()
+    ) -> GenerateResult:
         if self.down:
             raise EngineUnavailable("scripted outage", retry_after=2)
         self.prompts.append(list(prompt_ids))

@@ -295,7 +295,9 @@ def test_count_tokens_is_the_next_calls_prompt_length(gw: Any) -> None:
 class StopStringEngine(ScriptEngine):
     """The scripted engine, also ending at a stop string as real engines do (it stays in the ids)."""
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Any = ()
+    ) -> GenerateResult:
         result = await super().generate(prompt_ids, sampling)
         text = str(self.tokenizer.decode(result.completion_ids))
         hits = [(pos, s) for s in sampling.stop if (pos := text.find(s)) >= 0]
@@ -381,11 +383,15 @@ def test_translation_of_fields_and_forms() -> None:
     with pytest.raises(GatewayError) as info:
         conv(
             messages=[
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}, {"type": "image"}]}
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t"}, {"type": "document"}],
+                }
             ]
         )
     assert (
-        info.value.param == "messages.0.content.1.type" and "image input not supported" in info.value.message
+        info.value.param == "messages.0.content.1.type"
+        and "document input is not supported" in info.value.message.lower()
     )
     assert [(t.id, t.name, t.arguments) for t in a.tool_calls] == [
         ("toolu_1", "Bash", {"command": "ls"}),
@@ -415,8 +421,12 @@ def test_errors_in_anthropic_shape_through_the_sdk(gw: Any) -> None:
         client.messages.create(**{**ask, "messages": [{"role": "user", "content": "word " * 1100}]})
     found = re.search(r"prompt is too long: (\d+) tokens > 1024 maximum", info.value.message)
     assert found and int(found[1]) > 1024
+    remote = {"type": "url", "url": "https://example.com/a.png"}
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image input"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": remote}]}]},
+            "fetches nothing",
+        ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "prefill"),
         ({"tool_choice": {"type": "tool"}}, "needs the tool's 'name'"),
@@ -570,7 +580,10 @@ valid = st.fixed_dictionaries(
         "stop_sequences": st.lists(st.text(min_size=1, max_size=5), max_size=3),
         "thinking": st.fixed_dictionaries(
             {"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
-            optional={"display": st.sampled_from(["omitted", "summarized"]), "budget_tokens": st.integers()},
+            optional={
+                "display": st.sampled_from(["omitted", "summarized"]),
+                "budget_tokens": st.integers(0, 2**31),
+            },
         ),
         "output_config": st.fixed_dictionaries({}, optional={"format": st.just({"type": "json_schema"})}),
         "metadata": json_values,

@@ -474,8 +474,8 @@ def test_errors_in_googles_shape(small: Any) -> None:
         ]
     }
     err = assert_google_error(httpx.post(url, json=image, headers=headers), 400, "INVALID_ARGUMENT")
-    assert "image input not supported yet" in err["message"].lower()
-    assert err["details"][0]["fieldViolations"][0]["field"] == "contents.0.parts.1"
+    assert "invalid image" in err["message"].lower() and "not an image" in err["message"]
+    assert err["details"][0]["fieldViolations"][0]["field"] == "contents.0.parts.1.inlineData.data"
     bad = [
         b"{not json",
         b"[1, 2]",

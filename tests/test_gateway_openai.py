@@ -314,7 +314,7 @@ def test_response_format_reaches_engines_that_can_honour_it(tiny_model_dir: Path
     seen: list[Any] = []
     original = engine.generate
 
-    async def generate(prompt_ids: list[int], sampling: Any) -> Any:
+    async def generate(prompt_ids: list[int], sampling: Any, images: Any = ()) -> Any:
         seen.append(sampling.response_format)
         return await original(prompt_ids, sampling)
 

@@ -291,8 +291,8 @@ def test_errors_in_the_responses_shape_through_the_sdk(gw: Any, script: Any) -> 
     image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="m", input=[{"role": "user", "content": [image]}])
-    assert "image input not supported yet" in info.value.message.lower()
-    assert info.value.param == "input.0.content.0.type"
+    assert "invalid image" in info.value.message.lower() and "not an image" in info.value.message
+    assert info.value.param == "input.0.content.0.image_url"
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="m", input="x", temperature=7)
     assert info.value.param == "temperature"

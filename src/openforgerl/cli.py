@@ -20,17 +20,24 @@ def model() -> None:
 
 
 @model.command("init")
-@click.option(
-    "--out", required=True, type=click.Path(file_okay=False), help="Directory to write the model to."
-)
+@click.argument("out_arg", metavar="[OUT]", required=False, type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), help="Directory to write the model to.")
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def model_init(out: str, size: str, seed: int) -> None:
-    """Make a tiny real model locally: BPE tokenizer, chat template, Qwen2 weights (no hub)."""
-    from openforgerl.modelkit import init_model
+@click.option("--vision", is_flag=True, help="A vision-language model (Qwen2-VL) with its image processor.")
+def model_init(out_arg: str | None, out: str | None, size: str, seed: int, vision: bool) -> None:
+    """Make a tiny real model locally: BPE tokenizer, chat template, Qwen2 weights (no hub).
 
-    path = init_model(out, size=size, seed=seed)  # type: ignore[arg-type]
-    click.echo(f"model written to {path}")
+    With --vision: a tiny Qwen2-VL that takes images (e.g. `openforge model init --vision runs/vlm`).
+    """
+    from openforgerl.modelkit import init_model, init_vision_model
+
+    target = out or out_arg
+    if not target or (out and out_arg and out != out_arg):
+        raise click.UsageError("give the output directory once, as OUT or --out")
+    build = init_vision_model if vision else init_model
+    path = build(target, size=size, seed=seed)  # type: ignore[arg-type]
+    click.echo(f"{'vision-language ' if vision else ''}model written to {path}")
 
 
 @main.command()
@@ -376,7 +383,13 @@ def _rollout_options(fn: Any) -> Any:
     """Options shared by `eval` and `rollout`."""
     options = [
         click.option("--tasks", required=True, help="A suite (tools-tiny, claw-basic) or task file/dir."),
-        click.option("--harness", default="react", show_default=True, help="The harness to run tasks with."),
+        click.option(
+            "--harness",
+            type=click.Choice(["react", "gui"]),
+            default="react",
+            show_default=True,
+            help="react: the tool-calling loop; gui: a browser agent on screenshots (web-basic tasks).",
+        ),
         click.option("--split", default=None, help="Only tasks of this split (train, heldout, test)."),
         click.option("--limit", type=int, default=None, help="Only the first N tasks."),
         click.option("--model", "model_dir", default=None, help="Model dir served by an embedded gateway."),
@@ -385,6 +398,9 @@ def _rollout_options(fn: Any) -> Any:
         click.option("--concurrency", type=int, default=4, show_default=True),
         click.option("--max-tokens", type=int, default=256, show_default=True, help="Per model call."),
         click.option("--max-turns", type=int, default=12, show_default=True, help="ReAct harness turns."),
+        click.option(
+            "--max-steps", type=int, default=None, help="GUI harness steps, e.g. 15, 50, 100 (default: task)."
+        ),
         click.option(
             "--temperature",
             type=float,
@@ -427,6 +443,7 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
         concurrency=kw["concurrency"],
         max_tokens=kw["max_tokens"],
         max_turns=kw["max_turns"],
+        max_steps=kw["max_steps"],
         temperature=kw["temperature"],
         on_failure=kw["on_failure"],
         out=Path(kw["out"] or default_out),

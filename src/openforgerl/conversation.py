@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import orjson
 
+from openforgerl.images import Image
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -44,10 +46,19 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str = ""
     name: str = ""
+    # Images the message shows, in order. They come before the message's text: the order
+    # vision-language chat templates (and the harnesses' screenshots + question) use.
+    images: list[Image] = field(default_factory=list)
 
     def template_dict(self) -> dict[str, Any]:
-        """The shape HF chat templates expect (OpenAI-like, arguments as a mapping)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The shape HF chat templates expect (OpenAI-like, arguments as a mapping); with images,
+        content is the processor's list of parts: one {"type": "image"} per image, then the text."""
+        content: Any = self.content
+        if self.images:
+            content = [{"type": "image"} for _ in self.images]
+            if self.content:
+                content.append({"type": "text", "text": self.content})
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning:
             out["reasoning_content"] = self.reasoning
         if self.tool_calls:

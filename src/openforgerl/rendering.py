@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from openforgerl.conversation import Message, Tool
+from openforgerl.images import Image
 from openforgerl.jsonutil import dumps
 
 MAX_TIPS = 8  # tips kept per rollout: enough for retries and side requests, bounded memory
@@ -42,7 +44,8 @@ def message_key(m: Message) -> bytes:
     """A message's identity for token memory.
 
     Ignored on purpose, because harnesses change them when they echo a turn back: tool-call ids,
-    the assistant's reasoning (most clients drop it) and whitespace around assistant text.
+    the assistant's reasoning (most clients drop it) and whitespace around assistant text. Images
+    count by digest: the same text with another screenshot is another message.
     """
     payload: Any
     if m.role == "assistant":
@@ -51,6 +54,8 @@ def message_key(m: Message) -> bytes:
         payload = ("t", m.content)
     else:
         payload = (m.role, m.content, m.name)
+    if m.images:
+        payload = (payload, [im.digest for im in m.images])
     return _digest(dumps(payload, sort_keys=True))
 
 
@@ -58,8 +63,15 @@ def tools_key(tools: Sequence[Tool]) -> bytes:
     return _digest(dumps([t.template_dict() for t in tools], sort_keys=True))
 
 
+def message_images(messages: Sequence[Message]) -> list[Image]:
+    """Every image of `messages`, in prompt order (a message's images come before its text)."""
+    return [im for m in messages for im in m.images]
+
+
 class ChatRenderer:
     """The model's chat template and tokenizer, used the way the gateway needs them."""
+
+    takes_images = False
 
     def __init__(self, tokenizer: Any, turn_end: str | None = None) -> None:
         self.tokenizer = tokenizer
@@ -88,13 +100,66 @@ class ChatRenderer:
         assert isinstance(text, str)
         return text
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, images: Sequence[Image] = ()) -> list[int]:
+        if images:
+            raise ValueError("this model takes no images")
+        return self._encode_text(text)
+
+    def _encode_text(self, text: str) -> list[int]:
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+
+class VisionRenderer(ChatRenderer):
+    """A vision-language model's renderer: the chat template renders one placeholder per image
+    (e.g. <|vision_start|><|image_pad|><|vision_end|>), and `encode` repeats each image's pad token
+    as many times as the image has tokens (from its size, as the processor resizes it), so prompt
+    ids are what the model takes with the images' pixels. `processor` is an
+    `openforgerl.vision.VisionProcessor`."""
+
+    takes_images = True
+
+    def __init__(self, processor: Any, turn_end: str | None = None) -> None:
+        super().__init__(processor.tokenizer, turn_end)
+        self.processor = processor
+        self.image_token_id: int = processor.image_token_id
+
+    def encode(self, text: str, images: Sequence[Image] = ()) -> list[int]:
+        ids = self._encode_text(text)
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(images):
+            raise ValueError(
+                f"the rendered prompt has {len(at)} image placeholders for {len(images)} images "
+                f"(is {self.processor.image_token} written in a message's text?)"
+            )
+        if not images:
+            return ids
+        out: list[int] = []
+        start = 0
+        for i, image in zip(at, images, strict=True):
+            out += ids[start:i]
+            out += [self.image_token_id] * self.processor.image_tokens(image)
+            start = i + 1
+        out += ids[start:]
+        return out
+
+
+def renderer_for(model: str | Path | Any) -> ChatRenderer:
+    """The renderer of a model directory (a VisionRenderer when it holds a vision-language model) or
+    of a tokenizer object (a ChatRenderer)."""
+    if isinstance(model, str | Path):
+        from openforgerl.vision import is_vision_model, load_processor
+
+        if is_vision_model(model):
+            return VisionRenderer(load_processor(model))
+        from transformers import AutoTokenizer
+
+        return ChatRenderer(AutoTokenizer.from_pretrained(model))
+    return ChatRenderer(model)
 
 
 @dataclass(slots=True)
@@ -132,6 +197,7 @@ class PromptPlan:
     prefix_len: int  # ids taken from the parent tip (its prompt + completion)
     first_new_message: int  # index of the first message the parent had not seen
     miss_reason: str  # why no tip was extended ('' when one was)
+    images: list[Image] = field(default_factory=list)  # every image of the full prompt, in order
 
 
 @dataclass(slots=True)
@@ -168,6 +234,7 @@ class TokenMemory:
         keys = [message_key(m) for m in messages]
         tkey = tools_key(tools)
         text = self.renderer.render(messages, tools)
+        images = message_images(messages)
         best = self.longest_tip(keys, tkey)
         reason = ""
         if best is not None:
@@ -182,7 +249,11 @@ class TokenMemory:
                     # A completion cut by max_tokens never sampled the turn end: the template closes
                     # the turn, so the prompt does too (as a prompt token, not a sampled one).
                     closing = [] if best.ended_with_turn_end else [self.renderer.turn_end_id]
-                    delta = closing + self.renderer.encode(text[end + len(self.renderer.turn_end) :])
+                    # The delta text renders exactly the new messages, so it holds their images only.
+                    new_images = message_images(messages[len(best.keys) :])
+                    delta = closing + self.renderer.encode(
+                        text[end + len(self.renderer.turn_end) :], new_images
+                    )
                     return PromptPlan(
                         prompt_ids=best.ids + delta,
                         prompt_text=text,
@@ -192,11 +263,12 @@ class TokenMemory:
                         prefix_len=len(best.ids),
                         first_new_message=len(best.keys),
                         miss_reason="",
+                        images=images,
                     )
         else:
             reason = self._explain_miss(keys, tkey)
         return PromptPlan(
-            prompt_ids=self.renderer.encode(text),
+            prompt_ids=self.renderer.encode(text, images),
             prompt_text=text,
             keys=keys,
             tools_key=tkey,
@@ -204,6 +276,7 @@ class TokenMemory:
             prefix_len=0,
             first_new_message=0,
             miss_reason=reason,
+            images=images,
         )
 
     def _explain_miss(self, keys: list[bytes], tkey: bytes) -> str:

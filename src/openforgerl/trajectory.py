@@ -12,6 +12,11 @@ over the whole prefix again (O(T) instead of O(T^2) tokens).
 Per-call mode (the paper's): one sample per call, prompt masked, reward optionally discounted by
 gamma^(T - t) for the t-th of T + 1 calls.
 
+Images: a call records the digests of its full prompt's images, in order (the pixels stay in the
+store). A call extends a sample only if the sample's images are the first of the call's too (the same
+ids with another screenshot of the same size are another sequence), and a sample's `image_digests`
+are the images of its whole sequence: what the trainer loads to recompute its logprobs.
+
 Side requests (titles, routers, memory extraction: `side_request_reason`) never merge
 with the main conversation; they become their own samples, flagged, or are left out with
 `include_side_requests=False`. Calls that failed (no completion) are skipped, and so are text-level
@@ -60,6 +65,7 @@ class RecordedCall:
     branch_reason: str = ""
     status: str = "ok"
     rollout_id: str = ""
+    image_digests: Sequence[str] = ()  # the full prompt's images, in order
 
 
 def calls_from_rows(rows: Sequence[CallRow]) -> list[RecordedCall]:
@@ -82,6 +88,7 @@ def calls_from_rows(rows: Sequence[CallRow]) -> list[RecordedCall]:
                 branch_reason=r.branch_reason,
                 status=r.status,
                 rollout_id=r.rollout_id,
+                image_digests=list(r.image_digests),
             )
         )
     return out
@@ -102,6 +109,7 @@ def calls_from_json(payload: Mapping[str, Any]) -> list[RecordedCall]:
             branch_reason=c.get("branch_reason", ""),
             status=c.get("status", "ok"),
             rollout_id=payload.get("rollout_id", ""),
+            image_digests=c.get("image_digests") or [],
         )
         for c in payload["calls"]
     ]
@@ -124,6 +132,7 @@ class Sample:
     completion_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per call
     truncated: bool = False  # a completion in it was cut by max_tokens
     advantage: float | None = None  # set by the trainer
+    image_digests: list[str] = field(default_factory=list)  # the sequence's images, in order
 
     @property
     def num_loss_tokens(self) -> int:
@@ -147,6 +156,7 @@ class Sample:
                 f"{len(call.completion_ids)} completion ids"
             )
         new_prompt = call.prompt_ids[len(self.input_ids) :]
+        self.image_digests += list(call.image_digests[len(self.image_digests) :])
         self.input_ids += new_prompt
         self.loss_mask += [0] * len(new_prompt)
         self.logprobs += [0.0] * len(new_prompt)
@@ -168,6 +178,7 @@ class Sample:
             bool(self.side_request) == bool(call.side_request)
             and len(call.prompt_ids) >= n
             and list(call.prompt_ids[:n]) == self.input_ids
+            and list(call.image_digests[: len(self.image_digests)]) == self.image_digests
         )
 
 

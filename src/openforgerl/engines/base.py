@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from openforgerl.images import Image
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -86,7 +89,13 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult: ...
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
+        """`images` are the prompt's images in order, one per image placeholder run in `prompt_ids`
+        (the renderer expanded each to the model's number of image tokens). An engine whose model
+        takes no images raises EngineError when given any."""
+        ...
 
     async def load_weights(self, path: str) -> int:
         """Load new weights in place; returns the new policy version."""

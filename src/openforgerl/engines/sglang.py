@@ -26,6 +26,11 @@ scheduler or detokenizer died, or a bug); the request itself was valid and retry
 recovered server is the right response. 429 (sent by SGLang's router when its queue is full) maps to
 EngineOverloaded.
 
+Images (vision-language models): the prompt's images go as `image_data` (data URLs, in prompt order)
+beside `input_ids`, whose image placeholders the gateway already expanded; SGLang's Qwen-VL processor
+matches each expanded vision_start / pad run / vision_end with the next image. Only the wire format is
+tested here (against the fake server); not yet tried against a real SGLang.
+
 Weight updates use `POST /update_weights_from_disk {"model_path": ...}`; SGLang flushes its radix
 cache itself after the update.
 
@@ -38,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -53,6 +58,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from openforgerl.images import Image
 
 # SGLang's refusals: the prompt alone is too long, or prompt + max_new_tokens is (SGLang wants
 # prompt + max_new_tokens < context length; it does not clamp max_new_tokens itself).
@@ -199,8 +205,10 @@ class SGLangEngine:
                 raise _NoRoomForMaxTokens(msg, int(m["n"]), int(m["max"]))
         raise EngineError(msg)
 
-    def request_body(self, prompt_ids: list[int], sampling: SamplingParams) -> dict[str, Any]:
-        """The `/generate` body for one generation."""
+    def request_body(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> dict[str, Any]:
+        """The `/generate` body for one generation; images go as `image_data` data URLs, in prompt order."""
         max_new = sampling.max_tokens
         if self.max_context is not None:
             room = self.max_context - len(prompt_ids) - 1  # SGLang: prompt + max_new < context
@@ -220,24 +228,31 @@ class SGLangEngine:
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
         params.update(self.extra_sampling_params)
-        return {
+        body: dict[str, Any] = {
             "input_ids": prompt_ids,
             "sampling_params": params,
             "return_logprob": True,
             # -1: logprobs of the output only (0 would compute the whole prompt's too).
             "logprob_start_len": -1,
         }
+        if images:
+            # SGLang's Qwen-VL processor matches each already-expanded vision_start, pad run,
+            # vision_end in input_ids and pairs it with the next image_data item.
+            body["image_data"] = [im.data_url() for im in images]
+        return body
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
         version, reloading = self._version, self._reloading
         # Cancelling this await closes the connection; SGLang aborts a request whose client left.
         try:
-            r = await self._post_generate(self.request_body(prompt_ids, sampling))
+            r = await self._post_generate(self.request_body(prompt_ids, sampling, images))
         except _NoRoomForMaxTokens as e:
             if self.max_context == e.max_context:
                 raise  # already clamped to what we knew: do not loop
             self.max_context = e.max_context
-            r = await self._post_generate(self.request_body(prompt_ids, sampling))
+            r = await self._post_generate(self.request_body(prompt_ids, sampling, images))
         result = parse_generate_response(r.content, version)
         if reloading or self._reloading or version != self._version:
             # Weights changed while this was generating: its tokens may come from two versions.

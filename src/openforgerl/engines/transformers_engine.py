@@ -1,5 +1,11 @@
 """An in-process engine: any Hugging Face causal LM, continuously batched on one worker thread.
 
+Vision-language models (a directory whose config has a vision tower, e.g. Qwen2-VL) load with
+AutoModelForImageTextToText and take images: their pixel inputs are computed by
+`openforgerl.vision.vision_inputs` (the trainer uses the same function), prefilled with the prompt,
+and positions are the model's 3-D M-RoPE ids; during decode each row continues from its own rope
+delta, so image and text requests share the continuous batch.
+
 All torch work runs on a single worker thread, so the event loop never blocks and torch's intra-op
 pool (torch.get_num_threads()) is used by one caller at a time. Requests wait in a queue; at every
 step boundary the worker prefills newly arrived prompts, merges them into the running batch (left
@@ -17,6 +23,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+)
 from transformers.cache_utils import DynamicLayer
 
 from openforgerl.engines.base import (
@@ -35,6 +49,16 @@ from openforgerl.engines.base import (
     FinishReason,
     GenerateResult,
     SamplingParams,
+)
+from openforgerl.images import Image
+from openforgerl.vision import (
+    VisionProcessor,
+    check_placeholders,
+    image_token_counts,
+    is_vision_model,
+    load_processor,
+    rope_positions,
+    vision_inputs,
 )
 
 
@@ -47,6 +71,8 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[GenerateResult]
     generator: torch.Generator | None
+    # A VLM request's pixel inputs (pixel_values, image_grid_thw), on the CPU until prefill.
+    vision: dict[str, torch.Tensor] | None = None
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
@@ -60,7 +86,8 @@ class _Batch:
     cache: DynamicCache
     # (B, L): 1 where the cache holds a real token, 0 for left padding; L is the cache length.
     mask: torch.Tensor
-    # (B,): the ids sampled last step (not in the cache yet) and their positions.
+    # (B,): the ids sampled last step (not in the cache yet) and their positions (for a VLM the text
+    # position, which is the token index plus the row's rope delta).
     next_ids: torch.Tensor
     next_pos: torch.Tensor
 
@@ -100,6 +127,31 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 def _kv_layers(cache: DynamicCache) -> list[Any]:
     """The cache's layers, for editing their `keys`/`values` tensors (only done when all are DynamicLayer)."""
     return list(cache.layers)
+
+
+def _checkpoint_names_to_model(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    """Rename checkpoint tensors to the model's parameter names.
+
+    save_pretrained writes some models (Qwen2-VL: `model.layers.*`, `visual.*`) under the names of an
+    older layout than their modules' (`model.language_model.layers.*`, `model.visual.*`);
+    from_pretrained renames them on load with the model's registered renamings, and so does this.
+    """
+    params = model.state_dict()
+    if all(k in params for k in state):
+        return state
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for key, tensor in state.items():
+        name = key
+        for renaming in renamings:
+            if name in params:
+                break
+            name, _ = renaming.rename_source_key(name)
+        out[name] = tensor
+    return out
 
 
 def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -147,7 +199,11 @@ class TransformersEngine:
         self.batch_wait = batch_wait_ms / 1000.0
 
         self.config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
+        self.vision = is_vision_model(self.model_dir)
+        self.processor: VisionProcessor | None = load_processor(self.model_dir) if self.vision else None
+        self.tokenizer: Any = (
+            self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(self.model_dir)
+        )
         text_config = self.config.get_text_config()
         self._max_context = max_context or int(text_config.max_position_embeddings)
         self.vocab_size = int(text_config.vocab_size)
@@ -209,7 +265,8 @@ class TransformersEngine:
         self._thread.start()
 
     def _load_model(self) -> Any:
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        auto: Any = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        model: Any = auto.from_pretrained(self.model_dir, dtype=self.dtype)
         return model.to(self.device).eval()
 
     async def close(self) -> None:
@@ -227,12 +284,17 @@ class TransformersEngine:
         if self._thread is None or self._closing:
             raise EngineUnavailable("transformers engine is not running")
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
         self._check_running()
+        if images and self.processor is None:
+            raise EngineError(f"the model in {self.model_dir} takes no images")
         if not prompt_ids:
             raise EngineError("empty prompt")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise EngineError(f"prompt ids must lie in [0, {self.vocab_size})")
+        vision = await self._vision_inputs(prompt_ids, images) if self.processor else None
         if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1 or sampling.max_tokens < 1:
             raise EngineError(f"invalid sampling parameters: {sampling}")
         room = self._max_context - len(prompt_ids)
@@ -249,6 +311,7 @@ class TransformersEngine:
             loop=loop,
             future=loop.create_future(),
             generator=generator,
+            vision=vision,
         )
         with self._cond:
             if self._closing:
@@ -265,6 +328,22 @@ class TransformersEngine:
                 if req in self._pending:
                     self._pending.remove(req)
             raise
+
+    async def _vision_inputs(
+        self, prompt_ids: list[int], images: Sequence[Image]
+    ) -> dict[str, torch.Tensor] | None:
+        """The images' pixel inputs (off the event loop), checked against the prompt's placeholders."""
+        assert self.processor is not None
+        counts: list[int] = []
+        out = None
+        if images:
+            out = await asyncio.to_thread(vision_inputs, self.processor, images)
+            counts = image_token_counts(self.processor, out["image_grid_thw"])
+        try:
+            check_placeholders(self.processor, prompt_ids, counts)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        return out
 
     async def load_weights(self, path: str) -> int:
         """Copy a save_pretrained checkpoint's weights into the model once no row is mid-generation.
@@ -285,7 +364,7 @@ class TransformersEngine:
 
     def _validated_state(self, path: str) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors, checked against the model so a swap never half-applies."""
-        state = _read_state_dict(path)
+        state = _checkpoint_names_to_model(_read_state_dict(path), self._model)
         params = self._model.state_dict()
         unexpected = sorted(set(state) - set(params))
         if unexpected:
@@ -374,7 +453,9 @@ class TransformersEngine:
             result = EngineError(f"loading weights failed: {e!r}")
         _deliver(swap.loop, swap.future, result)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> Any:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache, **vision: Any
+    ) -> Any:
         self.stats["steps"] += 1
         self.stats["max_batch_size"] = max(self.stats["max_batch_size"], ids.shape[0])
         out = self._model(
@@ -384,6 +465,7 @@ class TransformersEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **vision,
         )
         return out.logits[:, -1, :]
 
@@ -400,15 +482,34 @@ class TransformersEngine:
         mask = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs], device=self.device
         )
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self._model.config)
-        logits = self._forward(ids, mask, pos, cache)
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        if self.processor is not None:
+            pos, next_pos, vision = self._vision_prefill(reqs, ids, mask)
+            logits = self._forward(ids, mask, pos, cache, **vision)
+            next_pos = lengths + next_pos
+        else:
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = self._forward(ids, mask, pos, cache)
+            next_pos = lengths
         # next_ids is filled in by _sample_step.
         batch = _Batch(
-            rows=reqs, cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=lengths
+            rows=reqs, cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=next_pos
         )
         return self._sample_step(batch, logits)
+
+    def _vision_prefill(
+        self, reqs: list[_Request], ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(3, B, L) M-RoPE positions, (B,) rope deltas and the pixel kwargs of a VLM prefill."""
+        assert self.processor is not None
+        rows = [r.vision for r in reqs if r.vision is not None]
+        vision: dict[str, torch.Tensor] = {}
+        if rows:
+            vision = {k: torch.cat([v[k] for v in rows]).to(self.device) for k in rows[0]}
+        grid = vision.get("image_grid_thw")
+        pos, deltas = rope_positions(self._model, ids, mask, grid, self.processor.image_token_id)
+        return pos, deltas.to(self.device), vision
 
     def _decode(self, batch: _Batch) -> _Batch | None:
         pruned = self._prune(batch)  # callers that went away since the last step
@@ -416,7 +517,10 @@ class TransformersEngine:
             return None
         batch = pruned
         mask = F.pad(batch.mask, (0, 1), value=1)
-        logits = self._forward(batch.next_ids[:, None], mask, batch.next_pos[:, None], batch.cache)
+        pos = batch.next_pos[:, None]
+        if self.processor is not None:
+            pos = pos[None].expand(3, -1, -1)  # text tokens: the same position on all three axes
+        logits = self._forward(batch.next_ids[:, None], mask, pos, batch.cache)
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1
         return self._sample_step(batch, logits)

@@ -20,6 +20,10 @@ the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests
   contract (logits / temperature) at top_p = 1: measured within 1e-6 of a teacher-forced float32
   forward at temperatures 0.7, 1 and 1.3. At temperature 1 and top_p 1 both modes agree.
 
+Images: `/v1/completions` takes a token prompt without images, and the chat endpoint would re-render
+the conversation (the recorded ids would no longer be the ones the policy saw), so this engine refuses
+images (EngineError); serve a vision-language policy with the builtin or SGLang engine.
+
 Weight updates (`load_weights`) use `POST /collective_rpc` with `reload_weights`, an endpoint vLLM only
 serves when started with `VLLM_SERVER_DEV_MODE=1`, then `POST /reset_prefix_cache`. Found in trials:
 - A reload from a path that does not hold weights shut the whole vLLM 0.32 server down, so paths are
@@ -42,7 +46,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -59,6 +63,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from openforgerl.images import Image
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +255,16 @@ class VLLMEngine:
             raise too_long
         raise EngineError(msg)
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
+        if images:
+            # /v1/completions takes a token prompt or text, never images with it; the chat endpoint
+            # would re-render the conversation and break the exact-ids record.
+            raise EngineError(
+                "the vLLM engine sends token prompts to /v1/completions, which takes no images; "
+                "serve a vision-language policy with the builtin or sglang engine"
+            )
         if self.model is None:
             await self._discover_model()
         max_tokens = sampling.max_tokens

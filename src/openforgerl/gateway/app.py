@@ -1,10 +1,20 @@
-"""The gateway's HTTP surface: the admin API and each dialect's routes (Starlette, ASGI)."""
+"""The gateway's HTTP surface: the admin API, each dialect's routes, and image uploads (Starlette, ASGI).
+
+Uploads (`POST /v1/files`, the OpenAI Files API; Anthropic's SDK uploads to the same path and gets
+its own shape) take images only: each is kept in the store by digest, and its file id is derived
+from the digest, so messages of any dialect can name it (`file_id`, Anthropic's `file` source,
+Gemini's `fileData`) and a restarted gateway still knows it. An upload needs a rollout's key.
+"""
 
 from __future__ import annotations
 
 import hmac
 import math
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from email import policy
+from email.parser import BytesParser
 from typing import Any
 
 import orjson
@@ -17,8 +27,9 @@ from starlette.routing import BaseRoute, Route
 from openforgerl.conversation import Conversation
 from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Session
 from openforgerl.gateway.dialects import Dialect, default_dialects
-from openforgerl.gateway.errors import GatewayError, bad_request, unauthorized
+from openforgerl.gateway.errors import GatewayError, bad_request, load_image, unauthorized
 from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
+from openforgerl.images import Image, digest_of_file_id, file_id, file_ids_in, image_from_bytes
 from openforgerl.trajectory import side_request_reason
 
 
@@ -64,11 +75,22 @@ class Gateway:
             raise unauthorized("This endpoint needs the gateway's admin token.")
 
     # -- what every dialect's handlers use ------------------------------------------------
-    async def open_call(self, request: Request, parse: Callable[[bytes], Conversation]) -> PreparedCall:
+    async def files_in(self, body: bytes) -> dict[str, Image]:
+        """The uploaded images a request body names, by file id (read before it is parsed, so the
+        parse reads no store; an id that is not there is the parse's 400)."""
+        ids = file_ids_in(body)
+        if not ids:
+            return {}
+        found = await self.core.store.images(d for i in ids if (d := digest_of_file_id(i)))
+        return {file_id(d): im for d, im in found.items()}
+
+    async def open_call(
+        self, request: Request, parse: Callable[[bytes, Mapping[str, Image]], Conversation]
+    ) -> PreparedCall:
         """Authenticate, read and translate the body, and prepare the call (raises GatewayError)."""
         session = await self.session(request)
         body = await read_body(request, self.max_body)
-        return self.core.prepare(session, parse(body))
+        return self.core.prepare(session, parse(body, await self.files_in(body)))
 
     async def finish_call(self, request: Request, prepared: PreparedCall) -> CallOutcome | None:
         """Run a prepared call to its durable record; None when the client went away meanwhile."""
@@ -217,11 +239,98 @@ class Gateway:
                     "messages_delta": c.messages_delta,
                     "response": c.response,
                     "parse_errors": c.parse_errors,
+                    "image_digests": c.image_digests,
                     "created_at": c.created_at,
                     "latency_ms": c.latency_ms,
                 }
             )
         return JSONResponse({"rollout_id": rollout_id, "calls": out})
+
+    async def admin_image(self, request: Request) -> Response:
+        """An image a call showed (or a harness uploaded), by digest, with its media type."""
+        digest = request.path_params["digest"]
+        image = (await self.core.store.images([digest])).get(digest)
+        if image is None:
+            raise GatewayError(404, f"No image {digest}.", kind="not_found")
+        # Immutable: the digest is the content's own.
+        headers = {"cache-control": "private, max-age=31536000, immutable"}
+        return Response(image.data, media_type=image.media_type, headers=headers)
+
+    # -- uploads --------------------------------------------------------------------------
+    def _files_error(self, err: GatewayError, request: Request) -> Response:
+        """Errors in Anthropic's shape for Anthropic's SDK (it sends its version header), else OpenAI's."""
+        if "anthropic-version" in request.headers:
+            for dialect in self.dialects:
+                if dialect.name == "anthropic":
+                    return dialect.error_response(err)
+        return self.error(err, request)
+
+    def _file_object(
+        self, request: Request, image: Image, created_at: float, filename: str = ""
+    ) -> dict[str, Any]:
+        ext = image.media_type.split("/")[1]
+        name = filename or f"{image.digest[:16]}.{'jpg' if ext == 'jpeg' else ext}"
+        if "anthropic-version" in request.headers:
+            created = datetime.fromtimestamp(created_at, UTC).isoformat().replace("+00:00", "Z")
+            return {
+                "id": file_id(image.digest),
+                "type": "file",
+                "filename": name,
+                "mime_type": image.media_type,
+                "size_bytes": len(image.data),
+                "created_at": created,
+                "downloadable": True,
+            }
+        return {
+            "id": file_id(image.digest),
+            "object": "file",
+            "bytes": len(image.data),
+            "created_at": int(created_at),
+            "filename": name,
+            "purpose": "vision",
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+        }
+
+    async def upload_file(self, request: Request) -> Response:
+        try:
+            await self.session(request)
+            body = await read_body(request, self.max_body)
+            fields = _multipart(request.headers.get("content-type", ""), body)
+            if "file" not in fields:
+                raise bad_request("The upload needs a 'file' field (multipart/form-data).", param="file")
+            filename, data = fields["file"]
+            image = load_image(lambda: image_from_bytes(data), "file")
+            await self.core.store.put_images([image])
+            created = await self.core.store.image_created_at(image.digest) or time.time()
+            return JSONResponse(self._file_object(request, image, created, filename))
+        except GatewayError as err:
+            return self._files_error(err, request)
+
+    async def _uploaded(self, request: Request) -> tuple[Image, float]:
+        await self.session(request)
+        ref = request.path_params["file_id"]
+        digest = digest_of_file_id(ref)
+        image = (await self.core.store.images([digest])).get(digest) if digest else None
+        created = await self.core.store.image_created_at(digest) if digest else None
+        if image is None or created is None:
+            raise GatewayError(404, f"No such file: '{ref}'.", kind="not_found")
+        return image, created
+
+    async def get_file(self, request: Request) -> Response:
+        try:
+            image, created = await self._uploaded(request)
+        except GatewayError as err:
+            return self._files_error(err, request)
+        return JSONResponse(self._file_object(request, image, created))
+
+    async def file_content(self, request: Request) -> Response:
+        try:
+            image, _ = await self._uploaded(request)
+        except GatewayError as err:
+            return self._files_error(err, request)
+        return Response(image.data, media_type=image.media_type)
 
     async def _finish(self, request: Request, default_status: str) -> Response:
         session = await self._rollout_or_404(request)
@@ -297,10 +406,17 @@ class Gateway:
             admin("/admin/rollouts/{rollout_id}/faults", "faults", ["POST"]),
             admin("/admin/weights", "weights", ["POST"]),
             admin("/admin/stats", "stats", ["GET"]),
+            admin("/admin/images/{digest}", "image", ["GET"]),
         ]
         for dialect in self.dialects:
             for prefix in ("", "/r/{rollout_id}"):
                 routes += dialect.routes(self, prefix)
+        for prefix in ("", "/r/{rollout_id}"):
+            routes += [
+                Route(prefix + "/v1/files", self.upload_file, methods=["POST"]),
+                Route(prefix + "/v1/files/{file_id}", self.get_file, methods=["GET"]),
+                Route(prefix + "/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
+            ]
         for prefix in ("", "/r/{rollout_id}"):
             methods = ["GET", "POST", "PUT", "DELETE", "HEAD"]
             routes.append(Route(prefix + "/{rest:path}", self.not_found, methods=methods))
@@ -318,3 +434,20 @@ class Gateway:
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         # A bug must not take the gateway down: answer 500 in the caller's dialect and go on.
         return self.error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"), request)
+
+
+def _multipart(content_type: str, body: bytes) -> dict[str, tuple[str, bytes]]:
+    """A multipart/form-data body's fields: name -> (filename, bytes)."""
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise bad_request("Send the file as multipart/form-data (a 'file' field, and a 'purpose').")
+    message = BytesParser(policy=policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
+    )
+    fields: dict[str, tuple[str, bytes]] = {}
+    if message.is_multipart():
+        for part in message.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            payload = part.get_payload(decode=True)
+            if isinstance(name, str) and isinstance(payload, bytes):
+                fields[name] = (part.get_filename() or "", payload)
+    return fields

@@ -11,7 +11,7 @@ import hashlib
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from openforgerl.conversation import Conversation, Message, ToolCall
@@ -26,7 +26,8 @@ from openforgerl.engines.base import (
 from openforgerl.engines.parsers import parse_completion
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request, context_length_exceeded
 from openforgerl.gateway.upstream import TextMemory, Upstream
-from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory
+from openforgerl.images import Image
+from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory, message_images
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import CallRow, RolloutRow, Store
 
@@ -39,6 +40,16 @@ def injected_fault(status: int) -> GatewayError:
         kind=kinds.get(status, "internal"),
         retry_after=1 if status in (429, 503, 529) else None,
     )
+
+
+def recorded_message(m: Message) -> dict[str, Any]:
+    """A message as a call's record keeps it: the template's shape, with its text as a string and
+    its images as digests (the bytes are in the store's images table, once each)."""
+    out = m.template_dict()
+    if m.images:
+        out["content"] = m.content
+        out["images"] = [im.digest for im in m.images]
+    return out
 
 
 def hash_key(api_key: str) -> str:
@@ -71,6 +82,7 @@ class PreparedCall:
     started: float
     released: bool = False
     upstream_body: dict[str, Any] | None = None  # the request an upstream gets
+    images: list[Image] = field(default_factory=list)  # the prompt's images, in order
 
 
 @dataclass(slots=True)
@@ -243,7 +255,7 @@ class GatewayCore:
                 code="rate_limit_exceeded",
                 retry_after=1,
             )
-        plan = session.memory.plan(conv.messages, conv.tools)
+        plan = self._plan(session, conv)
         params: SamplingParams | None = None
         body: dict[str, Any] | None = None
         if session.upstream:
@@ -267,7 +279,32 @@ class GatewayCore:
         seq = session.next_seq
         session.next_seq += 1
         self.inflight += 1  # counted from here so a burst cannot slip past the limit
-        return PreparedCall(session, conv, plan, params, used, seq, time.time(), upstream_body=body)
+        return PreparedCall(
+            session, conv, plan, params, used, seq, time.time(), upstream_body=body, images=list(plan.images)
+        )
+
+    def _plan(self, session: Session, conv: Conversation) -> PromptPlan:
+        """Token memory's plan for the call; a 400 for images the policy cannot take."""
+        shown = message_images(conv.messages)
+        if shown and not session.upstream and not self.renderer.takes_images:
+            raise GatewayError(
+                400,
+                f"The policy model {self.model_name} takes no images (it reads text only), and this "
+                f"request shows {len(shown)}. Send text only, or serve a vision-language model.",
+                kind="invalid_request",
+                code="images_not_supported",
+                param="messages",
+            )
+        try:
+            return session.memory.plan(conv.messages, conv.tools)
+        except ValueError as exc:  # e.g. an image placeholder token typed into a message's text
+            raise bad_request(f"The prompt cannot be encoded for the policy model: {exc}") from exc
+
+    @property
+    def model_name(self) -> str:
+        """The policy model's name for messages: its directory's name (the gateway's --model)."""
+        path = str(getattr(getattr(self.renderer, "tokenizer", None), "name_or_path", "") or "")
+        return path.rstrip("/").rsplit("/", 1)[-1] or "policy"
 
     def _upstream(self, session: Session) -> Upstream:
         upstream = self.upstreams.get(session.upstream)
@@ -290,8 +327,11 @@ class GatewayCore:
         """The prompt length this conversation would have (token memory included), without a call.
         For an upstream's rollout: an estimate, in the policy's tokenizer."""
         if session.upstream:
-            return len(self.renderer.encode(self.renderer.render(conv.messages, conv.tools)))
-        return len(session.memory.plan(conv.messages, conv.tools).prompt_ids)
+            messages, images = conv.messages, message_images(conv.messages)
+            if not self.renderer.takes_images:  # the estimate counts the text only
+                messages, images = [replace(m, images=[]) for m in messages], []
+            return len(self.renderer.encode(self.renderer.render(messages, conv.tools), images))
+        return len(self._plan(session, conv).prompt_ids)
 
     async def complete(self, session: Session, conv: Conversation) -> CallOutcome:
         return await self.run(self.prepare(session, conv))
@@ -336,16 +376,17 @@ class GatewayCore:
                 **({"tool_definitions": [t.template_dict() for t in conv.tools]} if not plan.parent else {}),
             },
             sampling_used=call.used,
-            messages_delta=[m.template_dict() for m in conv.messages[plan.first_new_message :]],
+            messages_delta=[recorded_message(m) for m in conv.messages[plan.first_new_message :]],
             response=message.template_dict() if message else {},
             parse_errors=[],
             memory={},
             created_at=call.started,
             latency_ms=(time.time() - call.started) * 1000,
+            image_digests=[im.digest for im in call.images],
         )
 
     async def _run(self, call: PreparedCall) -> CallOutcome:
-        session, plan = call.session, call.plan
+        plan = call.plan
         assert call.params is not None
 
         def record(
@@ -361,12 +402,15 @@ class GatewayCore:
             return row
 
         try:
-            result = await self.engine.generate(plan.prompt_ids, call.params)
+            if call.images:
+                result = await self.engine.generate(plan.prompt_ids, call.params, images=call.images)
+            else:  # engines written before images take two arguments
+                result = await self.engine.generate(plan.prompt_ids, call.params)
         except asyncio.CancelledError:
             # The client went away and the engine aborted: keep a record that says so.
             self.counters["aborted"] += 1
             self._in_background(
-                self._record_failure(session, record("aborted", "client disconnected", None, None))
+                self._record_failure(call, record("aborted", "client disconnected", None, None))
             )
             raise
         except EngineOverloaded as exc:
@@ -376,7 +420,7 @@ class GatewayCore:
             ) from exc
         except EngineUnavailable as exc:
             self.counters["errors"] += 1
-            await self._record_failure(session, record("error", f"engine unavailable: {exc}", None, None))
+            await self._record_failure(call, record("error", f"engine unavailable: {exc}", None, None))
             raise GatewayError(
                 503,
                 f"The inference engine is unavailable: {exc}",
@@ -385,13 +429,13 @@ class GatewayCore:
             ) from exc
         except EngineError as exc:
             self.counters["errors"] += 1
-            await self._record_failure(session, record("error", f"engine error: {exc}", None, None))
+            await self._record_failure(call, record("error", f"engine error: {exc}", None, None))
             raise GatewayError(500, f"The inference engine failed: {exc}", kind="internal") from exc
 
         message, finish, errors, turn_end = self._to_message(result, call.params.stop)
         row = record("ok", "", result, message)
         row.parse_errors = errors
-        call_id = await self._record_ok(session, plan, row, result.completion_ids, message, turn_end)
+        call_id = await self._record_ok(call, row, result.completion_ids, message, turn_end)
         return CallOutcome(
             call_id=call_id,
             message=message,
@@ -409,7 +453,7 @@ class GatewayCore:
 
     async def _run_upstream(self, call: PreparedCall) -> CallOutcome:
         """The call sent to the rollout's upstream; recorded at text level (no ids, no logprobs)."""
-        session, plan = call.session, call.plan
+        session = call.session
         upstream = self._upstream(session)
         assert call.upstream_body is not None
 
@@ -424,12 +468,12 @@ class GatewayCore:
         except asyncio.CancelledError:
             self.counters["aborted"] += 1
             row = record("aborted", "client disconnected", None, upstream.spec.model)
-            self._in_background(self._record_failure(session, row))
+            self._in_background(self._record_failure(call, row))
             raise
         except GatewayError as err:
             self.counters["errors"] += 1
             row = record("error", f"upstream {err.status}: {err.message}", None, upstream.spec.model)
-            await self._record_failure(session, row)
+            await self._record_failure(call, row)
             raise
         row = record("ok", "", reply.message, reply.model)
         row.finish_reason, row.stop_reason = reply.finish_reason, reply.stop_reason
@@ -441,7 +485,7 @@ class GatewayCore:
                 "cached_tokens": reply.cached_tokens,
             },
         }
-        call_id = await self._record_ok(session, plan, row, [], reply.message, True)
+        call_id = await self._record_ok(call, row, [], reply.message, True)
         self.counters["upstream_calls"] += 1
         return CallOutcome(
             call_id=call_id,
@@ -459,8 +503,7 @@ class GatewayCore:
 
     async def _record_ok(
         self,
-        session: Session,
-        plan: PromptPlan,
+        call: PreparedCall,
         row: CallRow,
         completion_ids: list[int],
         message: Message,
@@ -470,6 +513,7 @@ class GatewayCore:
         # the branch, the second forks). The tip needs the call id, which the store assigns; the
         # tip carries a provisional id until the insert returns. No later call can extend the tip
         # before then: a harness only sees this answer after the insert.
+        session, plan = call.session, call.plan
         provisional = -(row.seq + 1)
         commit = session.memory.commit(plan, provisional, completion_ids, message, turn_end)
         row.branch_id = commit.branch_id
@@ -477,7 +521,7 @@ class GatewayCore:
         row.branch_reason = commit.reason
         row.memory = commit.tip.memory_record()
         try:
-            call_id = await self.store.record_call(row)
+            call_id = await self.store.record_call(row, call.images)
         except BaseException:
             if commit.tip in session.memory.tips:
                 session.memory.tips.remove(commit.tip)
@@ -489,10 +533,10 @@ class GatewayCore:
         ] += 1
         return call_id
 
-    async def _record_failure(self, session: Session, row: CallRow) -> None:
-        row.branch_id = session.memory.next_branch_id
+    async def _record_failure(self, call: PreparedCall, row: CallRow) -> None:
+        row.branch_id = call.session.memory.next_branch_id
         row.parent_call_id = None
-        await self.store.record_call(row)
+        await self.store.record_call(row, call.images)
 
     def _in_background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
+
+from openforgerl.images import Image, ImageError
 
 ErrorKind = Literal[
     "invalid_request",
@@ -49,6 +52,19 @@ class GatewayError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
     return GatewayError(400, message, kind="invalid_request", param=param, code=code)
+
+
+def invalid_image(exc: ImageError, param: str) -> GatewayError:
+    """An image the gateway refuses, named by where it is in the request (the caller's own path)."""
+    return GatewayError(400, f"Invalid image at '{param}': {exc}", param=param, code="invalid_image")
+
+
+def load_image(load: Callable[[], Image], param: str) -> Image:
+    """`load()` (a decode of one image part), its ImageError answered as a 400 naming `param`."""
+    try:
+        return load()
+    except ImageError as exc:
+        raise invalid_image(exc, param) from None
 
 
 def unauthorized(message: str = "Incorrect or missing API key for this gateway.") -> GatewayError:

@@ -12,16 +12,20 @@ few-shot examples) carry `"weight": 0`, the OpenAI fine-tuning convention for "d
 turn". Branches that are side requests (titles, routers), that hold an answer cut by max_tokens, or
 whose tool definitions were not recorded (calls recorded before the gateway kept them) are left out
 and counted.
+
+Images are written into the row, as OpenAI content parts with data URLs (images first, then the
+text: the order they had in the prompt), so a row is self-contained: it trains without the store.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openforgerl.images import Image
 from openforgerl.store import CallRow, RolloutRow, Store
 from openforgerl.trajectory import side_request_reason
 
@@ -115,6 +119,31 @@ def chat_rows(
     return rows
 
 
+def row_digests(row: dict[str, Any]) -> list[str]:
+    """The digests of the images a chat row's messages show (as `chat_rows` leaves them)."""
+    return [d for m in row["messages"] for d in m.get("images") or ()]
+
+
+def inline_images(row: dict[str, Any], images: Mapping[str, Image]) -> dict[str, Any] | None:
+    """The row with each message's images (digests) as OpenAI image_url parts before its text; None
+    when an image is not among `images`."""
+    if any(d not in images for d in row_digests(row)):
+        return None
+    messages = []
+    for m in row["messages"]:
+        digests = m.get("images")
+        if not digests:
+            messages.append(m)
+            continue
+        parts: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": images[d].data_url()}} for d in digests
+        ]
+        if m.get("content"):
+            parts.append({"type": "text", "text": m["content"]})
+        messages.append({**{k: v for k, v in m.items() if k != "images"}, "content": parts})
+    return {**row, "messages": messages}
+
+
 async def export_sft(
     store: Store,
     out: Path,
@@ -141,6 +170,13 @@ async def export_sft(
                 for row in chat_rows(
                     r, await store.calls(r.id), counts, include_side_requests=include_side_requests
                 ):
+                    digests = row_digests(row)
+                    if digests:
+                        inlined = inline_images(row, await store.images(digests))
+                        if inlined is None:  # cannot happen in a store the gateway wrote
+                            counts.skip("an image is missing from the store")
+                            continue
+                        row = inlined
                     f.write(json.dumps(row, ensure_ascii=False))
                     f.write("\n")
                     counts.rows += 1

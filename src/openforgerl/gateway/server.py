@@ -21,7 +21,7 @@ from openforgerl.engines.base import Engine
 from openforgerl.gateway.app import Gateway
 from openforgerl.gateway.core import GatewayCore
 from openforgerl.gateway.upstream import Upstream, UpstreamSpec
-from openforgerl.rendering import ChatRenderer
+from openforgerl.rendering import renderer_for
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import Store
 
@@ -48,9 +48,7 @@ class GatewayConfig:
 
 def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlette, Gateway]:
     """The ASGI app; the engine starts and the store closes with the app's lifespan."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    renderer = renderer_for(cfg.model)  # a VisionRenderer for a vision-language model directory
     engine = engine or make_engine(cfg.engine, cfg.model)
     upstreams = {spec.name: Upstream(spec) for spec in cfg.upstreams}
     if len(upstreams) != len(cfg.upstreams):
@@ -58,7 +56,7 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
     store = Store(Path(cfg.store), durability=cfg.durability)
     core = GatewayCore(
         engine,
-        ChatRenderer(tokenizer),
+        renderer,
         store,
         policy=SamplingPolicy(cfg.temperature, cfg.top_p, cfg.max_tokens, cfg.max_context),
         max_context=cfg.max_context,

@@ -19,6 +19,10 @@ Choices, and why:
   the upstream's `max_tokens` when the harness set none (the field is required there). OpenAI's
   own API gets `max_completion_tokens` (its reasoning models refuse `max_tokens`); other
   OpenAI-compatible servers get `max_tokens`, which all of them accept.
+- Images go as each API takes them, so a vision-language teacher sees what the harness showed:
+  Chat Completions `image_url` parts with data URLs, Anthropic base64 `image` blocks (a tool
+  result's images inside its `tool_result`). Chat Completions takes images in user messages only,
+  so the images of tool results (and of system messages) follow them in a user message of their own.
 - Reasoning in the history is not sent back (Anthropic needs the signature it made; OpenAI takes
   none); tool calls without ids (Gemini's) get ids, and their results are paired by name or order.
 - Errors keep their meaning for the harness: 429 and 5xx come back with the same status and
@@ -41,8 +45,9 @@ import orjson
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, ToolCall, parse_arguments
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request
+from openforgerl.images import Image
 from openforgerl.jsonutil import dumps
-from openforgerl.rendering import PromptPlan, TokenMemory, message_key, tools_key
+from openforgerl.rendering import PromptPlan, TokenMemory, message_images, message_key, tools_key
 
 UpstreamKind = Literal["openai", "anthropic"]
 KINDS: tuple[UpstreamKind, ...] = ("openai", "anthropic")
@@ -224,7 +229,13 @@ class OpenAIChatTranslator:
 
     def request(self, conv: Conversation, spec: UpstreamSpec, sampling: dict[str, Any]) -> dict[str, Any]:
         messages: list[dict[str, Any]] = []
+        # Images of tool results and system messages, sent in a user message once those end (a user
+        # message between a call's tool results would break the calls' pairing).
+        held: list[Image] = []
         for m in _with_ids(conv.messages):
+            if held and m.role != "tool":
+                messages.append({"role": "user", "content": _openai_parts(held, "")})
+                held = []
             if m.role == "assistant":
                 out: dict[str, Any] = {"role": "assistant", "content": m.content or None}
                 if m.tool_calls:
@@ -241,8 +252,14 @@ class OpenAIChatTranslator:
                 messages.append(out)
             elif m.role == "tool":
                 messages.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
+                held += m.images
+            elif m.role == "user" and m.images:
+                messages.append({"role": "user", "content": _openai_parts(m.images, m.content)})
             else:
                 messages.append({"role": m.role, "content": m.content})
+                held += m.images
+        if held:
+            messages.append({"role": "user", "content": _openai_parts(held, "")})
         body: dict[str, Any] = {"model": spec.model, "messages": messages}
         if conv.tools:
             # An empty description or schema is left out: OpenAI refuses `parameters: {}`.
@@ -325,8 +342,11 @@ class AnthropicTranslator:
     def request(self, conv: Conversation, spec: UpstreamSpec, sampling: dict[str, Any]) -> dict[str, Any]:
         messages = _with_ids(conv.messages)
         system: list[str] = []
+        system_images: list[Image] = []
         while messages and messages[0].role == "system":
-            system.append(messages.pop(0).content)
+            first = messages.pop(0)
+            system.append(first.content)
+            system_images += first.images
         turns: list[dict[str, Any]] = []
 
         def add(role: str, blocks: list[dict[str, Any]]) -> None:
@@ -348,11 +368,18 @@ class AnthropicTranslator:
                 add("assistant", blocks)
             elif m.role == "tool":
                 result: dict[str, Any] = {"type": "tool_result", "tool_use_id": m.tool_call_id}
-                if m.content:
+                if m.images:
+                    result["content"] = _anthropic_blocks(m.images, m.content)
+                elif m.content:
                     result["content"] = m.content
                 add("user", [result])
-            elif m.content:  # user, or a system message within the conversation (no such role there)
-                add("user", [{"type": "text", "text": m.content}])
+            else:  # user, or a system message within the conversation (no such role there)
+                add("user", _anthropic_blocks(m.images, m.content))
+        if system_images:  # the system prompt is text only there: its images open the conversation
+            if turns and turns[0]["role"] == "user":
+                turns[0]["content"][:0] = _anthropic_blocks(system_images, "")
+            else:
+                turns.insert(0, {"role": "user", "content": _anthropic_blocks(system_images, "")})
         for turn in turns:  # tool results open their turn, before any text
             if turn["role"] == "user":
                 turn["content"].sort(key=lambda b: b["type"] != "tool_result")
@@ -415,6 +442,26 @@ class AnthropicTranslator:
             completion_tokens=int(usage.get("output_tokens") or 0),
             cached_tokens=cached,
         )
+
+
+def _openai_parts(images: list[Image], text: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": im.data_url()}} for im in images
+    ]
+    if text:
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _anthropic_blocks(images: list[Image], text: str) -> list[dict[str, Any]]:
+    """Image blocks, then the text (never an empty text block: the API refuses those)."""
+    blocks: list[dict[str, Any]] = [
+        {"type": "image", "source": {"type": "base64", "media_type": im.media_type, "data": im.b64()}}
+        for im in images
+    ]
+    if text:
+        blocks.append({"type": "text", "text": text})
+    return blocks
 
 
 def _anthropic_tool_choice(choice: str | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -575,4 +622,5 @@ class TextMemory(TokenMemory):
             prefix_len=0,
             first_new_message=len(best.keys) if best is not None else 0,
             miss_reason="" if best is not None else self._explain_miss(keys, tkey),
+            images=message_images(messages),
         )

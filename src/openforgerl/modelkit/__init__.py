@@ -3,7 +3,9 @@ byte-level BPE tokenizer.
 
 `init_model` writes a directory that loads like a hub checkpoint (`AutoTokenizer`,
 `AutoModelForCausalLM`, vLLM), with a Qwen2.5-style ChatML template that renders tools, tool calls and
-`<think>` reasoning. Nothing is downloaded. `cached_model` builds one per (size, seed, kit version)
+`<think>` reasoning. `init_vision_model` writes a tiny Qwen2-VL (`AutoProcessor`,
+`AutoModelForImageTextToText`): the same tokenizer plus the vision tokens, the same template plus
+image parts. Nothing is downloaded. `cached_model` builds one per (size, seed, kit version, vision)
 under a cache directory, safely from parallel processes.
 """
 
@@ -40,12 +42,15 @@ __all__ = [
     "TOOL_CALL_START",
     "TOOL_RESPONSE_END",
     "TOOL_RESPONSE_START",
+    "VISION_TOKENS",
     "ModelSize",
     "cache_root",
     "cached_model",
     "chat_template",
     "init_model",
+    "init_vision_model",
     "kit_version",
+    "vision_chat_template",
 ]
 
 Size = Literal["tiny", "small"]
@@ -58,6 +63,15 @@ TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 THINK_START, THINK_END = "<think>", "</think>"
 
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Qwen2-VL's vision markers (appended after the text tokens in vision models): an image renders as
+# VISION_START, IMAGE_PAD, VISION_END, and the processor repeats IMAGE_PAD once per image token.
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 # Single ids but not "special": decoding with skip_special_tokens keeps them, so tool calls and
 # reasoning stay parseable from decoded text (as with Qwen2.5).
 ADDED_TOKENS = (
@@ -76,6 +90,10 @@ QWEN2_PATTERN = (
 )
 
 MAX_POSITIONS = 4096
+# Vision models: images are resized to at most MAX_IMAGE_TOKENS tokens (a 28x28 pixel square each):
+# a 640x400 screenshot becomes 240 tokens.
+PATCH, MERGE = 14, 2
+MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS = 256, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +118,25 @@ _N_CHATS = 1000  # about 1.5 MB of rendered conversations
 def chat_template() -> str:
     """The ChatML template saved with every kit model."""
     return resources.files(__package__).joinpath("chat_template.jinja").read_text(encoding="utf-8")
+
+
+_TEXT_PART = """            {%- elif part.type == "text" %}
+                {{- part.text }}
+"""
+
+
+@cache
+def vision_chat_template() -> str:
+    """The kit template with image parts ({"type": "image"}, as processors take them) rendered as
+    Qwen2-VL's placeholder, which the processor expands to the image's token count."""
+    template = chat_template()
+    if template.count(_TEXT_PART) != 1:
+        raise RuntimeError("chat_template.jinja changed: update vision_chat_template's anchor")
+    image = (
+        '            {%- elif part.type in ("image", "image_url") %}\n'
+        f'                {{{{- "{VISION_START}{IMAGE_PAD}{VISION_END}" }}}}\n'
+    )
+    return template.replace(_TEXT_PART, _TEXT_PART + image)
 
 
 def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
@@ -159,7 +196,7 @@ def _train_tokenizer(vocab_size: int) -> Any:
     return tok
 
 
-def _save_tokenizer(raw: Any, out: Path) -> Any:
+def _save_tokenizer(raw: Any, out: Path, template: str | None = None) -> Any:
     """Save through Qwen2Tokenizer, the class AutoTokenizer picks, so load/save is a fixed point."""
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
@@ -177,7 +214,7 @@ def _save_tokenizer(raw: Any, out: Path) -> Any:
         tok = Qwen2Tokenizer.from_pretrained(staging)
     for loading_detail in ("is_local", "local_files_only"):  # describe the staging load, not the model
         tok.init_kwargs.pop(loading_detail, None)
-    tok.chat_template = chat_template()
+    tok.chat_template = template or chat_template()
     tok.save_pretrained(out)
     # Qwen2Tokenizer rebuilds its own pipeline; a mismatch with ours would silently change ids.
     _, chats = _training_text()
@@ -234,6 +271,86 @@ def init_model(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
     return out
 
 
+def init_vision_model(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
+    """Build a tiny Qwen2VLForConditionalGeneration with its processor into `out`; return `out`.
+
+    The language model has the dimensions of `size`'s text model (its vocabulary plus the four vision
+    tokens), the vision encoder two small blocks; the image processor keeps an image within
+    MAX_IMAGE_TOKENS tokens. The template is the text models' with image parts. Loads with
+    AutoModelForImageTextToText, AutoTokenizer and `openforgerl.vision.load_processor` (AutoProcessor
+    too where torchvision is installed).
+    """
+    import torch
+    from tokenizers import AddedToken
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    spec = SIZES[size]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = _train_tokenizer(spec.vocab)
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    template = vision_chat_template()
+    tok = _save_tokenizer(raw, out, template)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, ENDOFTEXT, IM_END)}
+    pixel = (PATCH * MERGE) ** 2
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=MIN_IMAGE_TOKENS * pixel,
+        max_pixels=MAX_IMAGE_TOKENS * pixel,
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=2,
+    )
+    # No Qwen2VLProcessor: it needs a video processor, hence torchvision (see openforgerl.vision).
+    image_processor.save_pretrained(out)
+    head_dim = spec.hidden // spec.heads
+    third = head_dim // 2 // 3  # M-RoPE splits the rotary half into temporal, height, width sections
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": MAX_POSITIONS,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 2 - 2 * third, third, third],
+            },
+            "bos_token_id": ids[ENDOFTEXT],
+            "eos_token_id": ids[IM_END],
+            "pad_token_id": ids[ENDOFTEXT],
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": spec.hidden,
+            "num_heads": 4,
+            "mlp_ratio": 2,
+            "patch_size": PATCH,
+            "spatial_merge_size": MERGE,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = Qwen2VLForConditionalGeneration(config)
+    pad, im_end = ids[ENDOFTEXT], ids[IM_END]
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[im_end, pad], pad_token_id=pad)
+    model.to(torch.float32).save_pretrained(out)
+    return out
+
+
 @cache
 def kit_version() -> str:
     """Short hash of everything a built model depends on: this package's files and the toolchain."""
@@ -253,14 +370,15 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "openforgerl"
 
 
-def cached_model(size: Size = "tiny", seed: int = 0) -> Path:
-    """Path of a built model under `cache_root()/models/`, building it on first use.
+def cached_model(size: Size = "tiny", seed: int = 0, *, vision: bool = False) -> Path:
+    """Path of a built model under `cache_root()/models/`, building it on first use (with `vision`,
+    the tiny Qwen2-VL of `init_vision_model`).
 
     A lock file serialises builders across processes; the build goes to a scratch directory that is
     renamed into place, so readers never see a half-written model.
     """
     models = cache_root() / "models"
-    final = models / f"{size}-{seed}-{kit_version()}"
+    final = models / f"{size}{'-vl' if vision else ''}-{seed}-{kit_version()}"
     if final.is_dir():  # only ever created by an atomic rename of a finished build
         return final
     models.mkdir(parents=True, exist_ok=True)
@@ -271,7 +389,7 @@ def cached_model(size: Size = "tiny", seed: int = 0) -> Path:
                 return final
             scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=models))
             try:
-                init_model(scratch, size, seed)
+                (init_vision_model if vision else init_model)(scratch, size, seed)
                 # mkdtemp makes 0700; sandboxed workers under other uids must be able to read the model.
                 scratch.chmod(0o755)
                 for file in scratch.iterdir():

@@ -460,6 +460,9 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     t_start = time.monotonic()
     try:
         with serve_in_thread(gw_cfg, engine) as gw:
+            # A vision-language policy's samples name their images by digest; the gateway's store
+            # keeps the bytes the engine saw, so the trainer recomputes logprobs on the same pixels.
+            trainer.policy.image_source = gw.gateway.core.store.images_sync
             if sync_first:  # before any rollout (and before the prefetcher starts)
                 _check_version(_push(trainer, engine, model_dir, gw.loop), trainer)
             if opts.eval_every and trainer.step == 0 and 0 not in log.steps():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl.engines.base import EngineError, GenerateResult, SamplingParams
+from openforgerl.images import Image
 from openforgerl.tasks import Task
 from openforgerl.tasks.suites.tools_tiny import oracle
 from openforgerl.testing.scripted_engine import text_reply
@@ -85,7 +86,11 @@ class OracleTeacherEngine:
         names: list[str] = task.metadata["inputs"]
         return [task.files[n].strip() for n in names] == seen[: len(names)]
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
+        if images:
+            raise EngineError("the oracle teacher takes no images")
         return text_reply(
             self.tokenizer, self.end_id, self.reply(self.tokenizer.decode(prompt_ids)), sampling, 0
         )

@@ -1,9 +1,11 @@
 """`openforge sft`: supervised fine-tuning on recorded trajectories, loss on the assistant's tokens only.
 
 Data: JSONL rows that are either samples (`openforge rollout`'s samples.jsonl: `input_ids` and
-`loss_mask`) or chat conversations (`messages`, optional `tools`), which are tokenised with the
-student's own chat template; or trajectories made on the spot by a teacher (`oracle_samples`:
-the tools-tiny oracle played through the ReAct harness and recorded by the gateway).
+`loss_mask`, and `image_digests` for a vision-language model's samples) or chat conversations
+(`messages`, optional `tools`; text only), which are tokenised with the student's own chat template;
+or trajectories made on the spot by a teacher (`oracle_samples`: the tools-tiny oracle played through
+the ReAct harness and recorded by the gateway). Samples with images need an image source (the
+gateway store's `images_sync`) to give the trainer their pixels.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from openforgerl.rl import algos
-from openforgerl.rl.trainer import MetricsLog, Policy, micro_batches, passed
+from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, micro_batches, passed
 from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
 
 
@@ -36,7 +38,9 @@ class SFTConfig:
     device: str | None = None
 
 
-def _sample(input_ids: list[int], loss_mask: list[int], source: str = "") -> Sample:
+def _sample(
+    input_ids: list[int], loss_mask: list[int], source: str = "", image_digests: list[str] | None = None
+) -> Sample:
     return Sample(
         rollout_id=source,
         reward=0.0,
@@ -46,6 +50,7 @@ def _sample(input_ids: list[int], loss_mask: list[int], source: str = "") -> Sam
         loss_mask=loss_mask,
         logprobs=[0.0] * len(input_ids),
         policy_versions=[NO_VERSION] * len(input_ids),
+        image_digests=list(image_digests or []),
     )
 
 
@@ -64,6 +69,8 @@ def chat_sample(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
         )
         return list(out)
 
+    if any(isinstance(m.get("content"), list) and any(_is_image(p) for p in m["content"]) for m in messages):
+        raise ValueError("chat rows with images are not supported: record them through the gateway")
     full = ids(messages, False)
     mask = [0] * len(full)
     eos = tokenizer.eos_token_id
@@ -83,6 +90,10 @@ def chat_sample(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
     return _sample(full, mask)
 
 
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url", "input_image")
+
+
 def load_sft_data(path: str | Path, tokenizer: Any) -> list[Sample]:
     """Samples from a JSONL file of sample rows or chat rows (the two may be mixed)."""
     out = []
@@ -93,7 +104,14 @@ def load_sft_data(path: str | Path, tokenizer: Any) -> list[Sample]:
         if "input_ids" in row:
             if len(row["loss_mask"]) != len(row["input_ids"]):
                 raise ValueError(f"{path}:{n}: loss_mask and input_ids differ in length")
-            out.append(_sample(list(row["input_ids"]), list(row["loss_mask"]), row.get("rollout_id", "")))
+            out.append(
+                _sample(
+                    list(row["input_ids"]),
+                    list(row["loss_mask"]),
+                    row.get("rollout_id", ""),
+                    row.get("image_digests"),
+                )
+            )
         elif "messages" in row:
             out.append(chat_sample(row["messages"], row.get("tools"), tokenizer))
         else:
@@ -142,17 +160,29 @@ def oracle_samples(
 def write_samples(samples: Sequence[Sample], path: Path) -> None:
     with path.open("w") as f:
         for s in samples:
-            f.write(
-                json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask, "rollout_id": s.rollout_id})
-            )
+            row: dict[str, Any] = {
+                "input_ids": s.input_ids,
+                "loss_mask": s.loss_mask,
+                "rollout_id": s.rollout_id,
+            }
+            if s.image_digests:
+                row["image_digests"] = s.image_digests
+            f.write(json.dumps(row))
             f.write("\n")
 
 
 class SFTTrainer:
-    def __init__(self, model_dir: str | Path, cfg: SFTConfig) -> None:
+    def __init__(
+        self, model_dir: str | Path, cfg: SFTConfig, image_source: ImageSource | None = None
+    ) -> None:
         self.cfg = cfg
         self.policy = Policy(
-            model_dir, lr=cfg.lr, weight_decay=cfg.weight_decay, device=cfg.device, seed=cfg.seed
+            model_dir,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            device=cfg.device,
+            seed=cfg.seed,
+            image_source=image_source,
         )
         self.step = 0
 
@@ -219,7 +249,7 @@ class SFTTrainer:
             log.close()
         last = self.loss(samples)
         self.policy.model.save_pretrained(out)
-        self.policy.tokenizer.save_pretrained(out)
+        self.policy.save_processor(out)
         return {
             "samples": len(samples),
             "steps": self.step,

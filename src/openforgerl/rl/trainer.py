@@ -11,6 +11,11 @@ logprob contract), on the loss positions only. The behaviour logprobs recorded b
 the rollout policy; pi_old is the trainer's policy at the start of the step (with one mini-batch
 it equals the current policy, so it is taken from the same forward pass, detached).
 
+Vision-language models: a sample's `image_digests` are looked up through the policy's image
+source (the gateway store's `images_sync`), turned into pixel inputs by the same
+`openforgerl.vision.vision_inputs` the engine uses, and fed with the model's 3-D rope positions, so
+the recomputed logprobs are those of the prompt the engine saw.
+
 After a step, `save` writes an HF checkpoint (model, tokenizer, optimizer, trainer state) and
 `push_weights` loads it into the engine in place, which bumps the policy version the gateway
 records on every later call.
@@ -26,7 +31,7 @@ import random
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,8 +39,20 @@ from typing import Any
 import torch
 
 from openforgerl.engines.base import Engine
+from openforgerl.images import Image
 from openforgerl.rl import algos
 from openforgerl.trajectory import Sample
+from openforgerl.vision import (
+    check_placeholders,
+    image_token_counts,
+    is_vision_model,
+    load_processor,
+    rope_positions,
+    vision_inputs,
+)
+
+# digests -> the images among them that are kept (Store.images_sync); unknown digests are absent.
+ImageSource = Callable[[Sequence[str]], dict[str, Image]]
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -139,6 +156,9 @@ class _Collated:
     behaviour: torch.Tensor  # (B, P)
     advantages: torch.Tensor  # (B, P)
     real_tokens: int
+    # Vision-language models: position_ids (3, B, L), and pixel_values + image_grid_thw of the rows'
+    # images in row order when any row has images; empty for text models.
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _Collated:
@@ -169,8 +189,19 @@ def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _C
     )
 
 
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The model of `model_dir`: AutoModelForImageTextToText for a vision-language model, else
+    AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto: Any = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+    return auto.from_pretrained(model_dir, dtype=dtype)
+
+
 class Policy:
-    """A causal LM under training: model, tokenizer, AdamW, and logprobs on loss positions."""
+    """A causal LM under training: model, tokenizer, AdamW, and logprobs on loss positions.
+
+    `image_source` fetches the images of samples that have any (vision-language models only)."""
 
     def __init__(
         self,
@@ -182,15 +213,19 @@ class Policy:
         temperature: float = 1.0,
         device: str | None = None,
         seed: int = 0,
+        image_source: ImageSource | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(seed)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+        self.processor = load_processor(model_dir) if is_vision_model(model_dir) else None
+        self.image_source = image_source
+        self.tokenizer: Any = (
+            self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_dir)
+        )
         # fp32 master weights everywhere; on a GPU the forward runs under bf16 autocast.
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model: Any = model.to(self.device)
+        self.model: Any = load_model(model_dir).to(self.device)
         # Eval mode while training too: dropout would make the recomputed logprobs differ from the
         # engine's for the same weights, which the importance weights would read as off-policy.
         self.model.eval()
@@ -203,7 +238,48 @@ class Policy:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def collate(self, samples: Sequence[Sample]) -> _Collated:
-        return _collate(samples, self.pad_id, self.device)
+        batch = _collate(samples, self.pad_id, self.device)
+        if self.processor is not None:
+            batch.vision = self._vision(samples, batch)
+        elif any(s.image_digests for s in samples):
+            raise ValueError("samples with images, but the policy model takes no images")
+        return batch
+
+    def _vision(self, samples: Sequence[Sample], batch: _Collated) -> dict[str, torch.Tensor]:
+        """Pixel inputs (as the engine computed them) and M-RoPE positions of a micro-batch."""
+        assert self.processor is not None
+        wanted = list(dict.fromkeys(d for s in samples for d in s.image_digests))
+        found: dict[str, Image] = {}
+        if wanted:
+            if self.image_source is None:
+                raise ValueError("samples with images, but the policy has no image source")
+            found = self.image_source(wanted)
+            missing = [d for d in wanted if d not in found]
+            if missing:
+                raise ValueError(
+                    f"{len(missing)} images of the samples are not in the image source: {missing[:3]}"
+                )
+        parts = []
+        for s in samples:
+            if not s.image_digests:
+                check_placeholders(self.processor, s.input_ids, [])
+                continue
+            inputs = vision_inputs(self.processor, [found[d] for d in s.image_digests])
+            check_placeholders(
+                self.processor, s.input_ids, image_token_counts(self.processor, inputs["image_grid_thw"])
+            )
+            parts.append(inputs)
+        out = {}
+        if parts:
+            out = {
+                k: torch.cat([p[k] for p in parts]).to(self.device)
+                for k in ("pixel_values", "image_grid_thw")
+            }
+        position_ids, _ = rope_positions(
+            self.model, batch.ids, batch.attention, out.get("image_grid_thw"), self.processor.image_token_id
+        )
+        out["position_ids"] = position_ids
+        return out
 
     def logprobs(self, batch: _Collated, model: Any = None) -> torch.Tensor:
         """(B, P) logprobs of the targets at temperature `self.temperature` (gradients enabled)."""
@@ -213,11 +289,15 @@ class Policy:
             if self._keeps_logits:
                 # Only the loss positions go through the LM head: on small models that is half the FLOPs.
                 out = model(
-                    input_ids=batch.ids, attention_mask=batch.attention, logits_to_keep=batch.positions
+                    input_ids=batch.ids,
+                    attention_mask=batch.attention,
+                    logits_to_keep=batch.positions,
+                    **batch.vision,
                 )
                 logits = out.logits
             else:
-                logits = model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, batch.positions]
+                out = model(input_ids=batch.ids, attention_mask=batch.attention, **batch.vision)
+                logits = out.logits[:, batch.positions]
         logits = logits.float() / self.temperature
         picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
         return picked - logits.logsumexp(-1)
@@ -247,11 +327,17 @@ class Policy:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
+        self.save_processor(tmp)
         torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
+
+    def save_processor(self, path: Path) -> None:
+        """The tokenizer (and a VLM's image processor): what makes `path` a servable model directory."""
+        self.tokenizer.save_pretrained(path)
+        if self.processor is not None:
+            self.processor.image_processor.save_pretrained(path)
 
     def load_optimizer(self, path: Path) -> None:
         self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device))
@@ -297,6 +383,7 @@ class Trainer:
         *,
         group_size: int,
         reference_dir: str | Path | None = None,
+        image_source: ImageSource | None = None,
     ) -> None:
         self.cfg = cfg
         self.policy = Policy(
@@ -307,24 +394,30 @@ class Trainer:
             temperature=cfg.temperature,
             device=cfg.device,
             seed=cfg.seed,
+            image_source=image_source,
         )
         self.actor_config = cfg.loss.actor_config(group_size)
         self.reference: Any = None
         if cfg.loss.kl_coef > 0:
-            from transformers import AutoModelForCausalLM
-
-            ref_dir = reference_dir or model_dir
-            self.reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+            self.reference = load_model(reference_dir or model_dir)
             self.reference.to(self.policy.device).eval().requires_grad_(False)
         self.step = 0
         self.policy_version = 0
 
     @classmethod
     def resume(
-        cls, checkpoint: Path, cfg: TrainerConfig, *, group_size: int, reference_dir: str | Path
+        cls,
+        checkpoint: Path,
+        cfg: TrainerConfig,
+        *,
+        group_size: int,
+        reference_dir: str | Path,
+        image_source: ImageSource | None = None,
     ) -> Trainer:
         """The trainer as `save` left it: weights, optimizer, step and policy version."""
-        trainer = cls(checkpoint, cfg, group_size=group_size, reference_dir=reference_dir)
+        trainer = cls(
+            checkpoint, cfg, group_size=group_size, reference_dir=reference_dir, image_source=image_source
+        )
         trainer.policy.load_optimizer(checkpoint)
         state = json.loads((checkpoint / STATE_FILE).read_text())
         trainer.step, trainer.policy_version = int(state["step"]), int(state["policy_version"])

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from openforgerl.images import Image
 from openforgerl.jsonutil import dumps
 
 SCHEMA = """
@@ -76,10 +77,23 @@ CREATE TABLE IF NOT EXISTS calls (
     parse_errors TEXT NOT NULL DEFAULT '[]',
     memory TEXT NOT NULL DEFAULT '{}',
     created_at REAL NOT NULL,
-    latency_ms REAL NOT NULL
+    latency_ms REAL NOT NULL,
+    image_digests TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS calls_rollout ON calls(rollout_id, seq);
+-- Each image once, however many calls show it (calls name them by digest, in image_digests).
+CREATE TABLE IF NOT EXISTS images (
+    digest TEXT PRIMARY KEY,
+    media_type TEXT NOT NULL,
+    width INTEGER NOT NULL,
+    height INTEGER NOT NULL,
+    bytes BLOB NOT NULL,
+    created_at REAL NOT NULL
+);
 """
+
+# Columns added since the first schema, with their definitions: an older database gets them on open.
+_ADDED_COLUMNS = {"calls": {"image_digests": "TEXT NOT NULL DEFAULT '[]'"}}
 
 
 def ids_to_blob(ids: Sequence[int]) -> bytes:
@@ -163,6 +177,8 @@ class CallRow:
     created_at: float
     latency_ms: float
     id: int | None = None
+    # The digests of the images in the call's full prompt, in order (the bytes are in `images`).
+    image_digests: list[str] = field(default_factory=list)
 
 
 _ROLLOUT_COLS = (
@@ -172,8 +188,11 @@ _CALL_COLS = (
     "id, rollout_id, seq, branch_id, parent_call_id, branch_reason, dialect, model, engine, status, error, "
     "policy_version, prompt_prefix_len, prompt_delta, prompt_tokens, completion_ids, completion_logprobs, "
     "finish_reason, stop_reason, sampling_requested, sampling_used, messages_delta, response, parse_errors, "
-    "memory, created_at, latency_ms"
+    "memory, created_at, latency_ms, image_digests"
 )
+_IMAGE_COLS = "digest, media_type, width, height, bytes, created_at"
+_IMAGES_REMEMBERED = 200_000  # digests known to be stored, kept to skip rewriting their bytes
+_IN_CHUNK = 500  # digests per `IN (...)` query, below SQLite's limit on parameters
 
 
 def _rollout_from_row(r: sqlite3.Row) -> RolloutRow:
@@ -221,6 +240,7 @@ def _call_from_row(r: sqlite3.Row) -> CallRow:
         memory=orjson.loads(r["memory"]),
         created_at=r["created_at"],
         latency_ms=r["latency_ms"],
+        image_digests=orjson.loads(r["image_digests"]),
     )
 
 
@@ -244,7 +264,10 @@ class Store:
         self._local = threading.local()
         write = self._connect()
         write.executescript(SCHEMA)
+        _migrate(write)
         write.commit()
+        # Digests known to be in the images table: a call showing them again sends no bytes.
+        self._stored_images: set[str] = set()
         self._writer = threading.Thread(
             target=self._write_loop, args=(write,), name="store-writer", daemon=True
         )
@@ -414,13 +437,60 @@ class Store:
         )
         return [_rollout_from_row(r) for r in rows]
 
+    # -- images --------------------------------------------------------------------------
+    def _insert_images(self, conn: sqlite3.Connection, images: Sequence[Image]) -> None:
+        now = time.time()
+        conn.executemany(
+            f"INSERT OR IGNORE INTO images ({_IMAGE_COLS}) VALUES (?,?,?,?,?,?)",
+            [
+                (im.digest, im.media_type, im.width, im.height, im.data, now)
+                for im in {im.digest: im for im in images if im.digest not in self._stored_images}.values()
+            ],
+        )
+
+    async def put_images(self, images: Sequence[Image]) -> None:
+        """Keep images (uploads) by digest; an image already kept is left as it is."""
+        await self._write(lambda conn: self._insert_images(conn, images))
+        self._remember_images(images)
+
+    def _remember_images(self, images: Sequence[Image]) -> None:
+        if len(self._stored_images) > _IMAGES_REMEMBERED:  # only a shortcut: forgetting costs a rewrite
+            self._stored_images.clear()
+        self._stored_images.update(im.digest for im in images)
+
+    def images_sync(self, digests: Iterable[str]) -> dict[str, Image]:
+        """The kept images among `digests` (unknown ones are absent), for readers in threads."""
+        wanted = list(dict.fromkeys(digests))
+        out: dict[str, Image] = {}
+        for i in range(0, len(wanted), _IN_CHUNK):
+            chunk = wanted[i : i + _IN_CHUNK]
+            rows = self._read_sync(
+                f"SELECT {_IMAGE_COLS} FROM images WHERE digest IN ({','.join('?' * len(chunk))})", chunk
+            )
+            for r in rows:
+                out[r["digest"]] = Image(r["digest"], r["media_type"], r["width"], r["height"], r["bytes"])
+        return out
+
+    async def images(self, digests: Iterable[str]) -> dict[str, Image]:
+        return await asyncio.to_thread(self.images_sync, list(digests))
+
+    async def image_created_at(self, digest: str) -> float | None:
+        rows = await self._read("SELECT created_at FROM images WHERE digest=?", (digest,))
+        return float(rows[0]["created_at"]) if rows else None
+
     # -- calls ---------------------------------------------------------------------------
-    async def record_call(self, call: CallRow) -> int:
-        """Insert a call; returns its id once the transaction holding it is durable."""
+    async def record_call(self, call: CallRow, images: Sequence[Image] = ()) -> int:
+        """Insert a call; returns its id once the transaction holding it is durable. `images` are the
+        images its `image_digests` name: new ones are kept in the same transaction, so a recorded call
+        never names an image the store lacks."""
+        missing = set(call.image_digests) - {im.digest for im in images} - self._stored_images
+        if missing:
+            raise ValueError(f"call names images it does not carry: {sorted(missing)}")
 
         def op(conn: sqlite3.Connection) -> int:
+            self._insert_images(conn, images)
             cur = conn.execute(
-                f"INSERT INTO calls ({_CALL_COLS}) VALUES ({','.join('?' * 27)})",
+                f"INSERT INTO calls ({_CALL_COLS}) VALUES ({','.join('?' * 28)})",
                 (
                     None,
                     call.rollout_id,
@@ -449,12 +519,14 @@ class Store:
                     dumps(call.memory),
                     call.created_at,
                     call.latency_ms,
+                    dumps(call.image_digests),
                 ),
             )
             assert cur.lastrowid is not None
             return cur.lastrowid
 
         call_id: int = await self._write(op)
+        self._remember_images(images)
         call.id = call_id
         return call_id
 
@@ -485,6 +557,15 @@ class Store:
         self._closed = True
         self._queue.put(None)
         await asyncio.to_thread(self._writer.join)
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Add the columns a database made by an older version lacks (new tables come from SCHEMA)."""
+    for table, columns in _ADDED_COLUMNS.items():
+        have = {r["name"] for r in conn.execute(f"PRAGMA table_info({table})")}
+        for name, definition in columns.items():
+            if name not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {definition}")
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:

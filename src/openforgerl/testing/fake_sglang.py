@@ -4,7 +4,8 @@ SGLang has no CPU build on this project's machines, so `SGLangEngine` is tested 
 It is not SGLang and samples nothing itself: `/generate` hands the request to the Engine it wraps
 (a ScriptedEngine, or the built-in transformers engine for real tokens) and answers in SGLang's shape:
 
-    POST /generate {"input_ids": [...], "sampling_params": {...}, "return_logprob": true}
+    POST /generate {"input_ids": [...], "sampling_params": {...}, "return_logprob": true,
+                    "image_data": [data URL, ...] (optional)}
       -> {"text": ..., "output_ids": [...],
           "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", "matched"|"length"|
                         "message": ...}, "prompt_tokens", "completion_tokens", "cached_tokens",
@@ -42,6 +43,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from openforgerl.images import Image, ImageError, image_from_data_url
 
 
 @dataclass
@@ -135,6 +137,10 @@ def fake_sglang_app(
                 "number of tokens in the input messages or the completion to fit within the limit.",
                 400,
             )
+        try:
+            images = [image_from_data_url(u) for u in _as_list(body.get("image_data"))]
+        except ImageError as e:
+            return _error(f"image_data: {e}", 400)
         temperature = float(sp.get("temperature", 1.0))
         sampling = SamplingParams(
             temperature=temperature,
@@ -145,7 +151,7 @@ def fake_sglang_app(
             seed=sp.get("sampling_seed"),
         )
         try:
-            result = await _generate_unless_disconnected(request, engine, prompt, sampling, state)
+            result = await _generate_unless_disconnected(request, engine, prompt, sampling, images, state)
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the connection is gone
         except EngineOverloaded as e:
@@ -203,10 +209,15 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _generate_unless_disconnected(
-    request: Request, engine: Engine, prompt: list[int], sampling: SamplingParams, state: FakeSGLangState
+    request: Request,
+    engine: Engine,
+    prompt: list[int],
+    sampling: SamplingParams,
+    images: list[Image],
+    state: FakeSGLangState,
 ) -> GenerateResult:
     """Run the generation, cancelling it if the client disconnects first (as SGLang aborts it)."""
-    gen = asyncio.ensure_future(engine.generate(prompt, sampling))
+    gen = asyncio.ensure_future(engine.generate(prompt, sampling, images))
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({gen, watch}, return_when=asyncio.FIRST_COMPLETED)

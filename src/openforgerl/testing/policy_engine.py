@@ -26,6 +26,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from openforgerl.engines.base import GenerateResult, SamplingParams
+from openforgerl.images import Image
 from openforgerl.testing.scripted_engine import text_reply
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -160,6 +161,7 @@ class ScriptedPolicyEngine:
             ]
         )
         self.prompts: list[str] = []
+        self.images: list[list[Image]] = []  # per call: the prompt's images (the policy ignores them)
         self._version = 0
 
     @property
@@ -193,7 +195,10 @@ class ScriptedPolicyEngine:
             return shell.call(f"echo {SUBMIT_MARKER}")
         return f"Done: {self.filename} contains {self.content}."
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
         prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         self.prompts.append(prompt)
+        self.images.append(list(images))
         return text_reply(self.tokenizer, self.end_id, self.reply(prompt), sampling, self._version)

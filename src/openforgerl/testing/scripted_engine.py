@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openforgerl.engines.base import EngineError, FinishReason, GenerateResult, SamplingParams
+from openforgerl.images import Image
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +42,7 @@ class ScriptRequest:
     policy_version: int
     weights_path: str | None
     index: int  # 0 for the engine's first generate call, then 1, 2, ...
+    images: tuple[Image, ...] = ()  # the prompt's images, in order
 
 
 ScriptItem = Scripted | Sequence[int] | BaseException
@@ -127,8 +129,10 @@ class ScriptedEngine:
         self._version += 1
         return self._version
 
-    def _next_item(self, prompt_ids: list[int], sampling: SamplingParams) -> ScriptItem:
-        req = ScriptRequest(prompt_ids, sampling, self._version, self.weights_path, self.calls)
+    def _next_item(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> ScriptItem:
+        req = ScriptRequest(prompt_ids, sampling, self._version, self.weights_path, self.calls, tuple(images))
         self.last_request = req
         if self._fn is not None:
             return self._fn(req)
@@ -138,8 +142,11 @@ class ScriptedEngine:
             return self._queue.popleft()
         return self.completion
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
-        item = self._next_item(prompt_ids, sampling)
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
+        """Images are accepted (a script stands in for any model) and shown to the script in its request."""
+        item = self._next_item(prompt_ids, sampling, images)
         self.calls += 1
         if isinstance(item, BaseException):
             raise item

@@ -14,9 +14,12 @@ Choices the wire format leaves open, and why:
 - `thinking` blocks are the assistant's reasoning; `redacted_thinking` is dropped (encrypted, nothing
   a model can read). `thinking.display == "omitted"` (Claude Code) is honoured: the block comes back
   with its signature but without its text; the record keeps every sampled token regardless.
-- Images and documents get a 400 until images are supported. So do server tools (a `type` other
-  than "custom", e.g. `web_search_20250305`): nobody here runs them, and a model answering a search
-  that never ran would fabricate the results. `defer_loading` is ignored: with no tool search, a
+- Images (in user turns and inside `tool_result`s) come in as base64 or as a `file` source naming
+  an image uploaded to the gateway (`POST /v1/files`); a `url` source gets a 400, since the gateway
+  fetches nothing (the record must hold the pixels). A message's images come before its text.
+  Documents get a 400. So do server tools (a `type` other than "custom", e.g.
+  `web_search_20250305`): nobody here runs them, and a model answering a search that never ran
+  would fabricate the results. `defer_loading` is ignored: with no tool search, a
   deferred tool is listed like any other. A final assistant message (prefill) gets a 400: the chat
   template always opens a new turn.
 - `usage.input_tokens` counts the prompt tokens not reused from token memory and
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
@@ -43,8 +46,9 @@ from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
 from openforgerl.gateway.core import CallOutcome, PreparedCall
-from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import JSONResponse, read_body
+from openforgerl.images import Image, image_from_base64, image_from_file
 
 if TYPE_CHECKING:
     from openforgerl.gateway.app import Gateway
@@ -63,8 +67,21 @@ class TextBlock(_Wire):
     text: str
 
 
-class MediaBlock(_Wire):
-    type: Literal["image", "document"]
+class ImageSource(_Wire):
+    type: str
+    media_type: str | None = None  # not trusted: the type is read from the bytes
+    data: str | None = None
+    url: str | None = None
+    file_id: str | None = None
+
+
+class ImageBlock(_Wire):
+    type: Literal["image"]
+    source: ImageSource
+
+
+class DocumentBlock(_Wire):
+    type: Literal["document"]
 
 
 class ToolUseBlock(_Wire):
@@ -74,7 +91,7 @@ class ToolUseBlock(_Wire):
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+ResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
 
 
 class ToolResultBlock(_Wire):
@@ -94,7 +111,13 @@ class RedactedThinkingBlock(_Wire):
 
 
 Block = Annotated[
-    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -144,11 +167,50 @@ class MessagesRequest(_Wire):
 
 
 def _unsupported(block: Block, param: str, place: str) -> GatewayError:
-    if isinstance(block, MediaBlock):
+    if isinstance(block, DocumentBlock):
         return bad_request(
-            f"{block.type} input not supported yet: this gateway's model takes text only.", param=param
+            "Document input is not supported by this gateway: send text or images.", param=param
         )
     return bad_request(f"'{block.type}' blocks are not allowed in {place}.", param=param)
+
+
+def _image(block: ImageBlock, files: Mapping[str, Image], where: str) -> Image:
+    source = block.source
+    if source.type == "base64":
+        data = source.data or ""
+        return load_image(lambda: image_from_base64(data), f"{where}.source.data")
+    if source.type == "file":
+        ref = source.file_id or ""
+        return load_image(lambda: image_from_file(ref, files), f"{where}.source.file_id")
+    if source.type == "url":
+        raise bad_request(
+            "Image source type 'url' is not supported: this gateway fetches nothing (its record must hold "
+            "the pixels). Send the image as a 'base64' source, or upload it (POST /v1/files) and use a "
+            "'file' source.",
+            param=f"{where}.source.type",
+        )
+    raise bad_request(
+        f"Image source type '{source.type}' is not supported: use 'base64' or 'file'.",
+        param=f"{where}.source.type",
+    )
+
+
+def _result(
+    content: str | Sequence[ResultPart], files: Mapping[str, Image], where: str
+) -> tuple[str, list[Image]]:
+    """A tool result's text (its text blocks, one per line) and its images."""
+    if isinstance(content, str):
+        return content, []
+    texts: list[str] = []
+    images: list[Image] = []
+    for i, block in enumerate(content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            images.append(_image(block, files, f"{where}.{i}"))
+        else:
+            raise _unsupported(block, f"{where}.{i}.type", "tool results")
+    return "\n".join(texts), images
 
 
 def _text(content: str | Sequence[Block], where: str, place: str) -> str:
@@ -163,26 +225,36 @@ def _text(content: str | Sequence[Block], where: str, place: str) -> str:
     return "\n".join(texts)
 
 
-def _user(content: str | list[Block], where: str) -> list[Message]:
-    """One user turn: each tool_result becomes a tool message, text runs become user messages."""
+def _user(content: str | list[Block], files: Mapping[str, Image], where: str) -> list[Message]:
+    """One user turn: each tool_result becomes a tool message, runs of text and images become user
+    messages (images first)."""
     if isinstance(content, str):
         return [Message("user", content)]
     out: list[Message] = []
     texts: list[str] = []
+    images: list[Image] = []
 
     def flush() -> None:
-        if texts:
-            out.append(Message("user", "\n".join(texts)))
+        if texts or images:
+            out.append(Message("user", "\n".join(texts), images=list(images)))
             texts.clear()
+            images.clear()
 
     for i, block in enumerate(content):
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ImageBlock):
+            images.append(_image(block, files, f"{where}.{i}"))
         elif isinstance(block, ToolResultBlock):
             flush()
-            body = _text(block.content, f"{where}.{i}.content", "tool results")
+            body, shown = _result(block.content, files, f"{where}.{i}.content")
             out.append(
-                Message("tool", "Error: " + body if block.is_error else body, tool_call_id=block.tool_use_id)
+                Message(
+                    "tool",
+                    "Error: " + body if block.is_error else body,
+                    tool_call_id=block.tool_use_id,
+                    images=shown,
+                )
             )
         else:
             raise _unsupported(block, f"{where}.{i}.type", "user messages")
@@ -246,7 +318,9 @@ def _validation_error(exc: ValidationError) -> GatewayError:
     return bad_request(f"Invalid value for '{loc}': {err['msg']}", param=loc)
 
 
-def parse_request(body: bytes) -> tuple[Conversation, MessagesRequest]:
+def parse_request(
+    body: bytes, files: Mapping[str, Image] | None = None
+) -> tuple[Conversation, MessagesRequest]:
     """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
     try:
         req = MessagesRequest.model_validate_json(body)
@@ -258,7 +332,7 @@ def parse_request(body: bytes) -> tuple[Conversation, MessagesRequest]:
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
         if m.role == "user":
-            messages += _user(m.content, where)
+            messages += _user(m.content, files or {}, where)
         elif m.role == "assistant":
             messages.append(_assistant(m.content, where))
         else:
@@ -464,8 +538,8 @@ class AnthropicMessages:
         async def messages(request: Request) -> Response:
             parsed: list[MessagesRequest] = []
 
-            def parse(body: bytes) -> Conversation:
-                conv, req = parse_request(body)
+            def parse(body: bytes, files: Mapping[str, Image]) -> Conversation:
+                conv, req = parse_request(body, files)
                 parsed.append(req)
                 return conv
 
@@ -489,10 +563,12 @@ class AnthropicMessages:
         async def count_tokens(request: Request) -> Response:
             try:
                 session = await gateway.session(request)
-                conv, _ = parse_request(await read_body(request, gateway.max_body))
+                body = await read_body(request, gateway.max_body)
+                conv, _ = parse_request(body, await gateway.files_in(body))
+                tokens = gateway.core.count_tokens(session, conv)
             except GatewayError as err:
                 return self.error_response(err)
-            return JSONResponse({"input_tokens": gateway.core.count_tokens(session, conv)})
+            return JSONResponse({"input_tokens": tokens})
 
         async def probe(request: Request) -> Response:
             # Claude Code checks that the endpoint is up (HEAD /api/hello, the base URL) before it starts.

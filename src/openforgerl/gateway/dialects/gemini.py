@@ -14,13 +14,19 @@ Translation decisions:
   `thinkingConfig.includeThoughts` asks for it, as the API does.
 - Tools other than functionDeclarations (googleSearch, codeExecution, ...) cannot run here: they are
   skipped, and named in the `x-openforgerl-declined-tools` response header.
-- inlineData/fileData parts are refused with a 400: the policy reads text only.
+- Images are `inlineData` parts (base64; the declared mimeType is not trusted, the bytes say what
+  they are), in user turns and in a functionResponse's own `parts` (a tool's screenshot). Images
+  right after a functionResponse, before any text, belong to that tool message (Gemini CLI sends a
+  tool's binary output so); otherwise a turn's images come before its text. `fileData` is refused
+  unless its URI names an image uploaded to this gateway (`POST /v1/files`): the gateway fetches
+  nothing. Images in model turns or the system instruction get a 400.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import quote
@@ -34,8 +40,9 @@ from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
 from openforgerl.gateway.core import CallOutcome
-from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import JSONResponse, read_body
+from openforgerl.images import Image, digest_of_file_id, image_from_base64, image_from_file
 
 if TYPE_CHECKING:
     from openforgerl.gateway.app import Gateway
@@ -58,18 +65,32 @@ class FunctionCall(_Wire):
     args: dict[str, Any] | None = None
 
 
+class Blob(_Wire):
+    mime_type: str | None = None  # not trusted: the type is read from the bytes
+    data: str
+
+
+class FileData(_Wire):
+    mime_type: str | None = None
+    file_uri: str
+
+
+class MediaPart(_Wire):
+    inline_data: Blob | None = None
+    file_data: FileData | None = None
+
+
 class FunctionResponse(_Wire):
     name: str = ""
     response: dict[str, Any] | None = None
+    parts: list[MediaPart] | None = None  # multimodal function responses: the tool's images
 
 
-class Part(_Wire):
+class Part(MediaPart):
     text: str | None = None
     thought: bool = False
     function_call: FunctionCall | None = None
     function_response: FunctionResponse | None = None
-    inline_data: Any = None
-    file_data: Any = None
 
 
 class Content(_Wire):
@@ -172,9 +193,26 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _refuse_media(part: Part, where: str) -> None:
+def _refuse_media(part: Part, where: str, place: str) -> None:
     if part.inline_data is not None or part.file_data is not None:
-        raise bad_request("Image input not supported yet: this gateway's model reads text only.", param=where)
+        raise bad_request(f"Images are not supported in {place}.", param=where)
+
+
+def _image(part: MediaPart, files: Mapping[str, Image], where: str) -> Image | None:
+    """The part's image, or None for a part that holds none."""
+    if part.inline_data is not None:
+        data = part.inline_data.data
+        return load_image(lambda: image_from_base64(data), f"{where}.inlineData.data")
+    if part.file_data is not None:
+        uri = part.file_data.file_uri
+        if digest_of_file_id(uri) is None:
+            raise bad_request(
+                f"fileData URI {uri[:100]!r} is not a file of this gateway, which fetches nothing: send "
+                "the image as inlineData, or upload it (POST /v1/files) and give its file id.",
+                param=f"{where}.fileData.fileUri",
+            )
+        return load_image(lambda: image_from_file(uri, files), f"{where}.fileData.fileUri")
+    return None
 
 
 def _tool_output(response: FunctionResponse) -> str:
@@ -185,7 +223,7 @@ def _tool_output(response: FunctionResponse) -> str:
     return orjson.dumps(data).decode()
 
 
-def _messages(content: Content, where: str) -> list[Message]:
+def _messages(content: Content, files: Mapping[str, Image], where: str) -> list[Message]:
     if not content.parts:
         raise bad_request(f"* GenerateContentRequest.{where}.parts: contents.parts must not be empty.", where)
     if content.role == "model":
@@ -193,7 +231,7 @@ def _messages(content: Content, where: str) -> list[Message]:
         reasoning: list[str] = []
         calls: list[ToolCall] = []
         for j, part in enumerate(content.parts):
-            _refuse_media(part, f"{where}.parts.{j}")
+            _refuse_media(part, f"{where}.parts.{j}", "model turns")
             if part.function_response is not None:
                 raise bad_request("A functionResponse belongs in a user turn.", f"{where}.parts.{j}")
             if part.function_call is not None:
@@ -205,21 +243,32 @@ def _messages(content: Content, where: str) -> list[Message]:
         raise bad_request("Please use a valid role: user, model.", f"{where}.role")
     out: list[Message] = []
     pending: list[str] = []
+    images: list[Image] = []
     for j, part in enumerate(content.parts):
-        _refuse_media(part, f"{where}.parts.{j}")
+        at = f"{where}.parts.{j}"
         if part.function_call is not None:
-            raise bad_request("A functionCall belongs in a model turn.", f"{where}.parts.{j}")
-        if part.function_response is not None:
-            if pending:
-                out.append(Message("user", "".join(pending)))
-                pending = []
-            out.append(
-                Message("tool", _tool_output(part.function_response), name=part.function_response.name)
-            )
+            raise bad_request("A functionCall belongs in a model turn.", at)
+        image = _image(part, files, at)
+        if image is not None:
+            if out and out[-1].role == "tool" and not pending and not images:
+                out[-1].images.append(image)  # the output of the function response just before
+            else:
+                images.append(image)
+        elif part.function_response is not None:
+            if pending or images:
+                out.append(Message("user", "".join(pending), images=images))
+                pending, images = [], []
+            response = part.function_response
+            shown = [
+                im
+                for k, media in enumerate(response.parts or [])
+                if (im := _image(media, files, f"{at}.functionResponse.parts.{k}")) is not None
+            ]
+            out.append(Message("tool", _tool_output(response), name=response.name, images=shown))
         elif part.text is not None:
             pending.append(part.text)
-    if pending or not out:
-        out.append(Message("user", "".join(pending)))
+    if pending or images or not out:
+        out.append(Message("user", "".join(pending), images=images))
     return out
 
 
@@ -227,7 +276,7 @@ def _system_text(instruction: Content | str | None) -> str:
     if instruction is None or isinstance(instruction, str):
         return instruction or ""
     for j, part in enumerate(instruction.parts):
-        _refuse_media(part, f"systemInstruction.parts.{j}")
+        _refuse_media(part, f"systemInstruction.parts.{j}", "the system instruction")
     return "".join(p.text or "" for p in instruction.parts)
 
 
@@ -253,7 +302,9 @@ def _response_format(gen: GenerationConfig) -> dict[str, Any] | None:
     return None
 
 
-def to_conversation(req: GenerateContentRequest, model: str, stream: bool) -> Parsed:
+def to_conversation(
+    req: GenerateContentRequest, model: str, stream: bool, files: Mapping[str, Image] | None = None
+) -> Parsed:
     if not req.contents:
         raise bad_request("* GenerateContentRequest.contents: contents is not specified", "contents")
     messages: list[Message] = []
@@ -261,7 +312,7 @@ def to_conversation(req: GenerateContentRequest, model: str, stream: bool) -> Pa
     if system:
         messages.append(Message("system", system))
     for i, content in enumerate(req.contents):
-        messages += _messages(content, f"contents.{i}")
+        messages += _messages(content, files or {}, f"contents.{i}")
     tools: list[Tool] = []
     declined: list[str] = []
     for entry in req.tools or []:
@@ -297,16 +348,16 @@ def to_conversation(req: GenerateContentRequest, model: str, stream: bool) -> Pa
     return Parsed(conv, thinking is not None and thinking.include_thoughts, declined)
 
 
-def parse_request(body: bytes, model: str, stream: bool) -> Parsed:
+def parse_request(body: bytes, model: str, stream: bool, files: Mapping[str, Image] | None = None) -> Parsed:
     """A generateContent body as a Conversation; GatewayError 400 if malformed."""
-    return to_conversation(_validated(GenerateContentRequest, body), model, stream)
+    return to_conversation(_validated(GenerateContentRequest, body), model, stream, files)
 
 
-def parse_count_tokens(body: bytes, model: str) -> Conversation:
+def parse_count_tokens(body: bytes, model: str, files: Mapping[str, Image] | None = None) -> Conversation:
     """A countTokens body: bare `contents`, or a whole `generateContentRequest`."""
     req = _validated(CountTokensRequest, body)
     full = req.generate_content_request or GenerateContentRequest(contents=req.contents)
-    return to_conversation(full, model, False).conv
+    return to_conversation(full, model, False, files).conv
 
 
 def _parts(message: Message, include_thoughts: bool) -> list[dict[str, Any]]:
@@ -419,8 +470,8 @@ class Gemini:
         async def generate(request: Request, streaming: bool) -> Response:
             parsed: list[Parsed] = []
 
-            def parse(body: bytes) -> Conversation:
-                parsed.append(parse_request(body, request.path_params["model"], streaming))
+            def parse(body: bytes, files: Mapping[str, Image]) -> Conversation:
+                parsed.append(parse_request(body, request.path_params["model"], streaming, files))
                 return parsed[0].conv
 
             try:
@@ -462,9 +513,8 @@ class Gemini:
         async def count_tokens(request: Request) -> Response:
             try:
                 session = await gateway.session(request)
-                conv = parse_count_tokens(
-                    await read_body(request, gateway.max_body), request.path_params["model"]
-                )
+                body = await read_body(request, gateway.max_body)
+                conv = parse_count_tokens(body, request.path_params["model"], await gateway.files_in(body))
                 total = gateway.core.count_tokens(session, conv)
             except GatewayError as err:
                 return self.error_response(err)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
@@ -15,8 +15,9 @@ from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
 from openforgerl.gateway.core import CallOutcome
-from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import JSONResponse
+from openforgerl.images import Image, image_from_data_url, image_from_file, image_from_url
 from openforgerl.jsonutil import dumps
 
 if TYPE_CHECKING:
@@ -52,9 +53,22 @@ class ToolCallWire(_Wire):
     function: FunctionCall
 
 
+class ImageURL(_Wire):
+    url: str
+    detail: str | None = None  # the model sees the image as sent, whatever the detail asked
+
+
+class FileRef(_Wire):
+    file_id: str | None = None
+    file_data: str | None = None  # a data URL
+    filename: str | None = None
+
+
 class ContentPart(_Wire):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
+    file: FileRef | None = None
 
 
 class ChatMessage(_Wire):
@@ -92,22 +106,47 @@ class ChatCompletionRequest(_Wire):
     return_token_ids: bool = False
 
 
-def _text(content: str | list[ContentPart] | None, where: str) -> str:
+def _image(part: ContentPart, files: Mapping[str, Image], where: str) -> Image:
+    if part.type == "image_url":
+        url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+        if not url:
+            raise bad_request("An image_url part needs its 'image_url.url'.", param=f"{where}.image_url")
+        return load_image(lambda: image_from_url(url, files), f"{where}.image_url.url")
+    ref = part.file
+    if ref is not None and ref.file_id:
+        file_id = ref.file_id
+        return load_image(lambda: image_from_file(file_id, files), f"{where}.file.file_id")
+    if ref is not None and ref.file_data:
+        data = ref.file_data
+        return load_image(lambda: image_from_data_url(data), f"{where}.file.file_data")
+    raise bad_request("A file part needs 'file.file_id' or 'file.file_data'.", param=f"{where}.file")
+
+
+def _content(
+    content: str | list[ContentPart] | None, files: Mapping[str, Image], where: str
+) -> tuple[str, list[Image]]:
+    """A message's text (its text parts joined) and its images, in the order sent."""
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
+        return content or "", []
+    texts: list[str] = []
+    images: list[Image] = []
     for i, part in enumerate(content):
         if part.type in ("text", "input_text"):
-            parts.append(part.text or "")
+            texts.append(part.text or "")
+        elif part.type in ("image_url", "file"):
+            images.append(_image(part, files, f"{where}.content.{i}"))
         else:
             raise bad_request(
-                f"Content part type '{part.type}' is not supported by this gateway's model (text only).",
+                f"Content part type '{part.type}' is not supported by this gateway: send text, image_url "
+                "or file (image) parts.",
                 param=f"{where}.content.{i}.type",
             )
-    return "".join(parts)
+    return "".join(texts), images
 
 
-def parse_request(body: bytes) -> tuple[Conversation, ChatCompletionRequest]:
+def parse_request(
+    body: bytes, files: Mapping[str, Image] | None = None
+) -> tuple[Conversation, ChatCompletionRequest]:
     """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
     try:
         req = ChatCompletionRequest.model_validate_json(body)
@@ -125,10 +164,17 @@ def parse_request(body: bytes) -> tuple[Conversation, ChatCompletionRequest]:
         calls = [
             ToolCall(c.function.name, parse_arguments(c.function.arguments), c.id) for c in m.tool_calls or []
         ]
+        text, images = _content(m.content, files or {}, f"messages.{i}")
+        if images and role == "assistant":
+            raise bad_request(
+                "Images are not supported in assistant messages: a model's answer is text.",
+                param=f"messages.{i}.content",
+            )
         messages.append(
             Message(
                 role=role,
-                content=_text(m.content, f"messages.{i}"),
+                content=text,
+                images=images,
                 reasoning=m.reasoning_content or m.reasoning or "",
                 tool_calls=calls,
                 tool_call_id=m.tool_call_id or "",
@@ -306,8 +352,8 @@ class OpenAIChat:
         async def chat_completions(request: Request) -> Response:
             parsed: list[ChatCompletionRequest] = []
 
-            def parse(body: bytes) -> Conversation:
-                conv, req = parse_request(body)
+            def parse(body: bytes, files: Mapping[str, Image]) -> Conversation:
+                conv, req = parse_request(body, files)
                 parsed.append(req)
                 return conv
 

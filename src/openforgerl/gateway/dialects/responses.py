@@ -11,6 +11,9 @@ Request -> `Conversation`:
   tools (web_search, file_search, custom, ...) are not served: the model never sees them (logged once
   per type), and they are not an error, since Codex always sends web_search.
 - `text.format` becomes `Conversation.response_format` in the Chat Completions shape.
+- Images: `input_image` parts with an `image_url` (a data URL) or a `file_id` (an image uploaded to
+  the gateway, `POST /v1/files`), in messages and in a `function_call_output` given as a list of
+  parts (a tool's screenshot). A message's images come before its text.
 
 State: clients send `store: false` yet chain requests with `previous_response_id` + only the new
 items (Codex over WebSocket always does). The gateway remembers, per rollout, in memory and bounded,
@@ -36,7 +39,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -47,11 +50,20 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
+from openforgerl.conversation import (
+    Conversation,
+    Message,
+    Role,
+    SamplingRequest,
+    Tool,
+    ToolCall,
+    parse_arguments,
+)
 from openforgerl.gateway.core import CallOutcome, PreparedCall, Session
 from openforgerl.gateway.dialects.openai_chat import error_body
-from openforgerl.gateway.errors import GatewayError, bad_request
+from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import KEEPALIVE_S, JSONResponse, read_body
+from openforgerl.images import Image, image_from_file, image_from_url
 
 if TYPE_CHECKING:
     from openforgerl.gateway.app import Gateway
@@ -73,6 +85,9 @@ class Part(_Wire):
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None  # the model sees the image as sent, whatever the detail asked
 
 
 class MessageItem(_Wire):
@@ -168,26 +183,42 @@ def _validate(model: type[_Wire], data: Any, where: str) -> Any:
         raise _invalid(exc, where) from exc
 
 
-def _text(content: str | list[Part], where: str) -> str:
+def _image(part: Part, files: Mapping[str, Image], where: str) -> Image:
+    if part.image_url:
+        url = part.image_url
+        return load_image(lambda: image_from_url(url, files), f"{where}.image_url")
+    if part.file_id:
+        ref = part.file_id
+        return load_image(lambda: image_from_file(ref, files), f"{where}.file_id")
+    raise bad_request("An input_image part needs an 'image_url' or a 'file_id'.", param=f"{where}.image_url")
+
+
+def _content(
+    content: str | list[Part], where: str, files: Mapping[str, Image] | None = None
+) -> tuple[str, list[Image]]:
+    """The text of content parts (joined) and their images; `files=None`: text only."""
     if isinstance(content, str):
-        return content
+        return content, []
     texts = []
+    images: list[Image] = []
     for j, part in enumerate(content):
         if part.type in _TEXT_PARTS:
             texts.append(part.text or "")
         elif part.type == "refusal":
             texts.append(part.refusal or "")
-        elif part.type == "input_image":
-            raise bad_request(
-                "Image input not supported yet: this gateway serves a text-only model.",
-                param=f"{where}.{j}.type",
-            )
+        elif part.type == "input_image" and files is not None:
+            images.append(_image(part, files, f"{where}.{j}"))
         else:
+            allowed = "text and image" if files is not None else "text"
             raise bad_request(
-                f"Content part type '{part.type}' is not supported by this gateway (text only).",
+                f"Content part type '{part.type}' is not supported here: send {allowed} parts.",
                 param=f"{where}.{j}.type",
             )
-    return "".join(texts)
+    return "".join(texts), images
+
+
+def _text(content: str | list[Part], where: str) -> str:
+    return _content(content, where)[0]
 
 
 def flat_name(namespace: str, name: str) -> str:
@@ -208,8 +239,10 @@ def _assistant(messages: list[Message], new_turn_if_answered: bool) -> Message:
     return last
 
 
-def input_messages(items: str | list[Any] | None) -> list[Message]:
-    """The request's `input` as conversation messages (GatewayError 400 on what is not supported)."""
+def input_messages(items: str | list[Any] | None, files: Mapping[str, Image] | None = None) -> list[Message]:
+    """The request's `input` as conversation messages (GatewayError 400 on what is not supported);
+    `files`: the images uploaded to the gateway that the request names, by file id."""
+    files = files or {}
     if items is None:
         return []
     if isinstance(items, str):
@@ -227,19 +260,20 @@ def input_messages(items: str | list[Any] | None) -> list[Message]:
             )
         item = _validate(model, raw, where)
         if isinstance(item, MessageItem):
-            text = _text(item.content, f"{where}.content")
             if item.role == "assistant":
                 turn = _assistant(messages, new_turn_if_answered=True)
-                turn.content += text
+                turn.content += _text(item.content, f"{where}.content")
             else:
-                messages.append(Message(role="user" if item.role == "user" else "system", content=text))
+                text, images = _content(item.content, f"{where}.content", files)
+                role: Role = "user" if item.role == "user" else "system"
+                messages.append(Message(role=role, content=text, images=images))
         elif isinstance(item, FunctionCallItem):
             name = flat_name(item.namespace, item.name) if item.namespace else item.name
             call = ToolCall(name, parse_arguments(item.arguments), item.call_id)
             _assistant(messages, new_turn_if_answered=False).tool_calls.append(call)
         elif isinstance(item, FunctionCallOutputItem):
-            text = _text(item.output, f"{where}.output")
-            messages.append(Message(role="tool", content=text, tool_call_id=item.call_id))
+            text, images = _content(item.output, f"{where}.output", files)
+            messages.append(Message(role="tool", content=text, tool_call_id=item.call_id, images=images))
         else:
             assert isinstance(item, ReasoningItem)
             parts = item.content if item.content else item.summary
@@ -405,8 +439,13 @@ class Turn:
     context: Context  # before this response's output
 
 
-def parse_turn(body: bytes | dict[str, Any], recall: Callable[[str], Context | None]) -> Turn:
-    """The request as a Turn; `recall` gives the context a `previous_response_id` stands for."""
+def parse_turn(
+    body: bytes | dict[str, Any],
+    recall: Callable[[str], Context | None],
+    files: Mapping[str, Image] | None = None,
+) -> Turn:
+    """The request as a Turn; `recall` gives the context a `previous_response_id` stands for, `files`
+    the uploaded images the request names."""
     try:
         if isinstance(body, bytes):
             req = ResponsesRequest.model_validate_json(body)
@@ -423,7 +462,7 @@ def parse_turn(body: bytes | dict[str, Any], recall: Callable[[str], Context | N
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-    history = [*(previous.messages if previous else ()), *input_messages(req.input)]
+    history = [*(previous.messages if previous else ()), *input_messages(req.input, files)]
     instructions = req.instructions
     if instructions is None and previous is not None:
         instructions = previous.instructions
@@ -681,9 +720,9 @@ class OpenAIResponses:
     def __init__(self) -> None:
         self.contexts = Contexts()
 
-    def turn(self, session: Session, body: bytes | dict[str, Any]) -> Turn:
+    def turn(self, session: Session, body: bytes | dict[str, Any], files: Mapping[str, Image]) -> Turn:
         """Parse a request body, expanding its `previous_response_id` from this rollout's memory."""
-        return parse_turn(body, lambda response_id: self.contexts.get(session.rollout.id, response_id))
+        return parse_turn(body, lambda response_id: self.contexts.get(session.rollout.id, response_id), files)
 
     def remember(self, session: Session, reply: Reply, out: CallOutcome | None) -> None:
         context = reply.turn.context
@@ -696,7 +735,8 @@ class OpenAIResponses:
         async def create(request: Request) -> Response:
             try:
                 session = await gateway.session(request)
-                turn = self.turn(session, await read_body(request, gateway.max_body))
+                body = await read_body(request, gateway.max_body)
+                turn = self.turn(session, body, await gateway.files_in(body))
                 reply = Reply(turn)
                 if not turn.req.generate:
                     self.remember(session, reply, None)
@@ -794,7 +834,8 @@ class _Socket:
         if kind != "response.create":
             raise bad_request(f"Unsupported event type {kind!r}: send 'response.create'.", param="type")
         stream_id = event.get("stream_id")
-        turn = self.dialect.turn(self.session, event)
+        raw = frame.encode() if isinstance(frame, str) else frame
+        turn = self.dialect.turn(self.session, event, await self.gateway.files_in(raw))
         reply = Reply(turn, stream_id if isinstance(stream_id, str) else None)
         if not turn.req.generate:
             self.dialect.remember(self.session, reply, None)

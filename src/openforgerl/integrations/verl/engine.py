@@ -29,6 +29,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from openforgerl.images import Image
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: 61-bit polynomial hashes of token prefixes
 _BASE = 1_000_003
@@ -162,7 +163,11 @@ class VerlServerEngine:
             params["seed"] = sampling.seed
         return params
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> GenerateResult:
+        if images:
+            raise EngineError("the veRL engine does not pass images to veRL's servers yet")
         if not prompt_ids:
             raise EngineError("empty prompt")
         if self.loop.is_closed() or not self.loop.is_running():
