@@ -101,8 +101,8 @@ test-harnesses: $(STAMP)
 ## The viewer (`openforge view`) in a real browser: tests/test_ui.py, marker `ui`. Debian's Chromium
 ## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver
 ## ships in the wheel; no browser download). Screenshots go to test-artifacts/ui/. Also the GUI
-## harness (tests/test_web.py): a scripted policy drives the web-basic sites in local sandboxes.
-## About two minutes.
+## harness (tests/test_web.py): a scripted policy drives the web-basic sites in local sandboxes; and
+## the whole GUI loop with the tiny VLM, eval and GRPO (tests/test_gui_e2e.py). About five minutes.
 PLAYWRIGHT_VERSION := 1.65.2
 
 .PHONY: test-ui
@@ -112,7 +112,7 @@ test-ui: $(STAMP)
 	  { echo "Chromium is missing: as root, apt-get install chromium" >&2; exit 1; }
 	@$(BIN)/pip show playwright 2>/dev/null | grep -qx 'Version: $(PLAYWRIGHT_VERSION)' || \
 	  $(BIN)/pip install -q playwright==$(PLAYWRIGHT_VERSION)
-	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_web.py
+	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_ui_images.py tests/test_web.py tests/test_gui_e2e.py
 
 ## The viewer's front end is plain ES modules with uPlot vendored from its npm tarball: this fetches
 ## the tarball again, checks it against the recorded integrity and copies the same files

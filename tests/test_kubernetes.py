@@ -159,6 +159,11 @@ SPECS = {
         limits=Limits(memory_bytes=2 << 30, cpus=0.5, wall_time_s=900),
     ),
     "none": SandboxSpec(limits=Limits(memory_bytes=123_456_789, cpus=2.0, wall_time_s=None)),
+    "host": SandboxSpec(
+        network="host",
+        gateway_url="http://127.0.0.1:8000",
+        env={"OPENAI_BASE_URL": "http://127.0.0.1:8000/r/x/v1"},
+    ),
 }
 
 
@@ -179,7 +184,7 @@ def test_generated_manifests_validate(cfg: KubernetesConfig, spec: SandboxSpec) 
     assert admit(parent_manifest(cfg)) is None
     # The gateway as Pods see it, in env values that named it as the host does.
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
-    if spec.network == "gateway" and cfg.gateway_url:
+    if spec.network != "none" and cfg.gateway_url:
         assert env["OPENAI_BASE_URL"] == "http://openforge-gateway.openforge.svc:8000/r/x/v1"
         assert env["OPENFORGE_GATEWAY_URL"] == cfg.gateway_url
     assert pod["metadata"]["labels"]["openforgerl.dev/network"] == spec.network

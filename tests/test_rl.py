@@ -5,6 +5,7 @@ killed with SIGKILL and resumed."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -299,6 +300,22 @@ def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_model_dir: Path, tmp_pa
     lines = [json.loads(x) for x in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     assert (tmp_path / "student" / "model.safetensors").is_file()
+
+
+def test_sft_warmup_then_cosine_schedule(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The logged rate of each step follows the warm-up, peaks at --lr and decays."""
+    tok = SFTTrainer(tiny_model_dir, SFTConfig()).policy.tokenizer
+    sample = chat_sample(
+        [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}], None, tok
+    )
+    cfg = SFTConfig(lr=1e-3, epochs=8, batch_size=1, schedule="cosine", warmup_steps=3)
+    SFTTrainer(tiny_model_dir, cfg).fit([sample], tmp_path / "out", progress=False)
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lrs) == 8
+    assert lrs[0] < lrs[1] < lrs[2] < lrs[3] == pytest.approx(1e-3)
+    assert all(a > b for a, b in itertools.pairwise(lrs[3:])) and lrs[-1] < 1e-4
+    with pytest.raises(ValueError, match="unknown schedule"):
+        SFTTrainer(tiny_model_dir, SFTConfig(schedule="linear-ish")).fit([sample], tmp_path / "x")
 
 
 def test_metrics_log_survives_a_torn_line(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from openforgerl.rendering import ChatRenderer, TokenMemory, VisionRenderer, ren
 from openforgerl.rl.trainer import Policy, Rollout, Trainer, TrainerConfig
 from openforgerl.testing.scripted_engine import ScriptedEngine
 from openforgerl.trajectory import RecordedCall, Sample, build_samples
-from openforgerl.vision import image_token_counts, load_processor, vision_inputs
+from openforgerl.vision import image_token_counts, load_processor, unsampleable_token_ids, vision_inputs
 from tests.test_sglang_engine import fake_server, until
 from tests.test_sglang_engine import run as run_sglang
 from tests.vlm_helpers import screenshot, tiny_vlm
@@ -245,6 +245,42 @@ def test_engine_and_trainer_feed_the_same_pixels_and_agree_on_logprobs(
     )
     elsewhere = policy.sample_logprobs([swapped])[0][n:]
     assert max(abs(a - b) for a, b in zip(elsewhere, image_result.logprobs, strict=True)) > 10 * LOGPROB_TOL
+
+
+def test_processor_only_tokens_are_never_sampled_and_the_trainer_masks_them_alike(
+    vlm_engine: tuple[TransformersEngine, asyncio.AbstractEventLoop], tiny_vlm_dir: Path
+) -> None:
+    """A sampled <|image_pad|> would break the next prompt's image runs; tilt the model towards
+    the processor-only tokens and check the engine never emits one, with the trainer's logprobs
+    still equal to the engine's (both mask the same ids)."""
+    engine, loop = vlm_engine
+    renderer = vision_renderer(tiny_vlm_dir)
+    banned = unsampleable_token_ids(engine._model)
+    assert renderer.image_token_id in banned and len(banned) >= 3
+    shot = screenshot(224, 140, 2)
+    plan = TokenMemory(renderer).plan([user("Click the cart.", shot)], [])
+    policy = Policy(tiny_vlm_dir, lr=1e-3, image_source=source(shot))
+
+    def tilt(model: Any) -> Any:
+        # Output logits + 30 on the banned ids: unmasked, they would take nearly all the mass.
+        def hook(_module: Any, _inputs: Any, logits: torch.Tensor) -> torch.Tensor:
+            return logits.index_add(
+                -1, torch.tensor(banned), torch.full((*logits.shape[:-1], len(banned)), 30.0)
+            )
+
+        return model.lm_head.register_forward_hook(hook)
+
+    handles = [tilt(engine._model), tilt(policy.model)]
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=1)
+        result = loop.run_until_complete(engine.generate(plan.prompt_ids, params, images=plan.images))
+        assert len(result.completion_ids) > 0 and not set(result.completion_ids) & set(banned)
+        sample = sample_of(plan.prompt_ids, [shot], result.completion_ids, result.logprobs)
+        n = len(plan.prompt_ids)
+        assert policy.sample_logprobs([sample])[0][n:] == pytest.approx(result.logprobs, abs=LOGPROB_TOL)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def test_engine_refuses_images_it_cannot_place(

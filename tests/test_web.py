@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from openforgerl.evaluate import EvalOptions, _harness
+from openforgerl.evaluate import EvalOptions, harness_factory
 from openforgerl.gui_agent import History
 from openforgerl.runner import Runner, RunnerConfig, Status, gui_harness, python_binds
 from openforgerl.sandbox import Limits, SandboxSpec
@@ -420,9 +420,9 @@ def test_the_gui_harness_launch_and_eval_choice() -> None:
     )
     with pytest.raises(ValueError, match=r"harness_options\.site or start_url"):
         argv(task.model_copy(update={"harness_options": {}}))
-    assert callable(_harness(EvalOptions(tasks="web-basic", harness="gui")))
+    assert callable(harness_factory(EvalOptions(tasks="web-basic", harness="gui")))
     with pytest.raises(ValueError, match="'react' and 'gui'"):
-        _harness(EvalOptions(tasks="web-basic", harness="browser"))
+        harness_factory(EvalOptions(tasks="web-basic", harness="browser"))
 
 
 def test_history_sends_at_most_k_screenshots_and_cuts_them_in_batches() -> None:

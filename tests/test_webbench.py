@@ -417,6 +417,7 @@ def test_the_runner_gives_the_judge_the_gateway_and_the_rollout_it_scores(
         admin_token=gw.gateway.admin_token,
         run_id="bench",
         state_path=tmp_path / "runner.db",
+        network="host",  # the tasks are on live sites (the harness here never goes there)
     )
 
     async def go() -> list[Any]:

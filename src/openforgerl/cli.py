@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,52 @@ def model_init(out_arg: str | None, out: str | None, size: str, seed: int, visio
     click.echo(f"{'vision-language ' if vision else ''}model written to {path}")
 
 
+def _upstream_options(fn: Any) -> Any:
+    """--upstream, --upstream-key-env and --upstream-timeout (the gateway, and eval's embedded one)."""
+    options = [
+        click.option(
+            "--upstream",
+            "upstreams",
+            multiple=True,
+            metavar="NAME=KIND:MODEL[@BASE_URL]",
+            help='An external model rollouts created with "upstream": NAME are answered by (recorded as '
+            "text), KIND openai or anthropic, e.g. teacher=openai:gpt-4.1, judge=openai:gpt-4.1 (the "
+            "web tasks' LLM judge) or claude=anthropic:claude-sonnet-4-5@https://api.anthropic.com. "
+            "Repeatable.",
+        ),
+        click.option(
+            "--upstream-key-env",
+            "upstream_key_envs",
+            multiple=True,
+            metavar="NAME=ENVVAR",
+            help="The variable holding upstream NAME's key (default OPENAI_API_KEY / ANTHROPIC_API_KEY).",
+        ),
+        click.option(
+            "--upstream-timeout",
+            type=float,
+            default=600.0,
+            show_default=True,
+            help="Seconds per upstream call.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _upstream_specs(upstreams: Sequence[str], key_envs: Sequence[str], timeout: float) -> list[Any]:
+    """The UpstreamSpecs of the --upstream / --upstream-key-env options; a bad one is a usage error."""
+    from openforgerl.gateway.upstream import parse_key_env, parse_upstream, with_key_envs
+
+    try:
+        return with_key_envs(
+            [parse_upstream(u, timeout=timeout) for u in upstreams],
+            dict(parse_key_env(k) for k in key_envs),
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--upstream / --upstream-key-env") from exc
+
+
 @main.command()
 @click.option("--model", "model_dir", required=True, help="HF model directory (tokenizer and chat template).")
 @click.option(
@@ -63,25 +110,7 @@ def model_init(out_arg: str | None, out: str | None, size: str, seed: int, visio
 @click.option("--max-context", type=int, default=4096, show_default=True, help="Prompt + completion limit.")
 @click.option("--max-inflight", type=int, default=1024, show_default=True, help="Beyond this: 429.")
 @click.option("--durability", type=click.Choice(["full", "normal"]), default="full", show_default=True)
-@click.option(
-    "--upstream",
-    "upstreams",
-    multiple=True,
-    metavar="NAME=KIND:MODEL[@BASE_URL]",
-    help='An external model rollouts created with "upstream": NAME are answered by (recorded as text), '
-    "KIND openai or anthropic, e.g. teacher=openai:gpt-4.1 or "
-    "claude=anthropic:claude-sonnet-4-5@https://api.anthropic.com. Repeatable.",
-)
-@click.option(
-    "--upstream-key-env",
-    "upstream_key_envs",
-    multiple=True,
-    metavar="NAME=ENVVAR",
-    help="The variable holding upstream NAME's key (default OPENAI_API_KEY / ANTHROPIC_API_KEY).",
-)
-@click.option(
-    "--upstream-timeout", type=float, default=600.0, show_default=True, help="Seconds per upstream call."
-)
+@_upstream_options
 def gateway(
     model_dir: str,
     engine: str,
@@ -102,15 +131,8 @@ def gateway(
 ) -> None:
     """Serve the recording gateway: an OpenAI-compatible endpoint per rollout."""
     from openforgerl.gateway.server import GatewayConfig, serve
-    from openforgerl.gateway.upstream import parse_key_env, parse_upstream, with_key_envs
 
-    try:
-        specs = with_key_envs(
-            [parse_upstream(u, timeout=upstream_timeout) for u in upstreams],
-            dict(parse_key_env(k) for k in upstream_key_envs),
-        )
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--upstream / --upstream-key-env") from exc
+    specs = _upstream_specs(upstreams, upstream_key_envs, upstream_timeout)
     serve(
         GatewayConfig(
             model=model_dir,
@@ -415,11 +437,19 @@ def _rollout_options(fn: Any) -> Any:
             show_default=True,
             help="Score of a rollout whose harness crashed or timed out.",
         ),
+        click.option(
+            "--network",
+            type=click.Choice(["gateway", "host"]),
+            default="gateway",
+            show_default=True,
+            help="What sandboxes reach: only the gateway, or the host's network (the internet and the "
+            "host's own services), which live-site tasks (webvoyager:FILE, online-mind2web:FILE) need.",
+        ),
         click.option("--out", type=click.Path(file_okay=False), default=None, help="Run folder."),
     ]
     for option in reversed(options):
         fn = option(fn)
-    return fn
+    return _upstream_options(fn)
 
 
 def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -> Any:
@@ -427,6 +457,12 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
     from openforgerl.modelkit import cached_model
 
     model_dir = kw.pop("model_dir")
+    upstreams = _upstream_specs(kw["upstreams"], kw["upstream_key_envs"], kw["upstream_timeout"])
+    if upstreams and kw["gateway_url"] is not None:
+        raise click.UsageError(
+            "--upstream configures the embedded gateway; a running gateway (--gateway) serves its own "
+            "(openforge gateway --upstream ...)"
+        )
     if model_dir is None and kw["gateway_url"] is None:
         model_dir = str(cached_model("tiny", 0))
         click.echo(f"no --model or --gateway: serving the tiny local model {model_dir}", err=True)
@@ -447,7 +483,19 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
         temperature=kw["temperature"],
         on_failure=kw["on_failure"],
         out=Path(kw["out"] or default_out),
+        network=kw["network"],
+        upstreams=upstreams,
     )
+
+
+def _refusing_bad_network(run: Any, opts: Any) -> Any:
+    """Live-site tasks without --network host: a usage error that names the option."""
+    from openforgerl.runner import NetworkNotAllowed
+
+    try:
+        return run(opts)
+    except NetworkNotAllowed as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @main.command("eval")
@@ -461,7 +509,7 @@ def eval_cmd(k: int, n: int | None, **kw: Any) -> None:
     if n is not None and n < k:
         raise click.BadParameter(f"--n ({n}) must be at least --k ({k})", param_hint="--n")
     opts = _eval_options(kw, k, n, f"runs/eval-{kw['tasks']}-{kw['harness']}")
-    report = run_eval(opts)
+    report = _refusing_bad_network(run_eval, opts)
     click.echo((opts.out / "report.md").read_text())
     click.echo(f"report: {opts.out / 'report.json'} and {opts.out / 'report.md'}")
     if report["scored"] == 0:
@@ -476,7 +524,7 @@ def rollout_cmd(n: int, **kw: Any) -> None:
     from openforgerl.evaluate import run_and_write_trajectories
 
     opts = _eval_options(kw, 1, n, f"runs/rollout-{kw['tasks']}-{kw['harness']}")
-    summary = run_and_write_trajectories(opts)
+    summary = _refusing_bad_network(run_and_write_trajectories, opts)
     click.echo(f"{summary['rollouts']} rollouts, {summary['samples']} samples written to {summary['path']}")
 
 
@@ -560,7 +608,16 @@ def view(
 @click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
 @click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Per model call.")
-@click.option("--max-turns", type=int, default=8, show_default=True)
+@click.option("--max-turns", type=int, default=8, show_default=True, help="ReAct harness turns.")
+@click.option(
+    "--harness",
+    type=click.Choice(["react", "gui"]),
+    default="react",
+    show_default=True,
+    help="react: the tool-calling loop; gui: a browser agent on screenshots (web-basic tasks, a "
+    "vision-language model from `openforge model init --vision`).",
+)
+@click.option("--max-steps", type=int, default=None, help="GUI harness steps (default: the task's, 15).")
 @click.option("--concurrency", type=int, default=8, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Held-out pass@1 every N steps.")
@@ -645,6 +702,8 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             batch_tasks=kw["batch_tasks"],
             max_tokens=kw["max_tokens"],
             max_turns=kw["max_turns"],
+            harness=kw["harness"],
+            max_steps=kw["max_steps"],
             concurrency=kw["concurrency"],
             seed=kw["seed"],
             eval_every=kw["eval_every"],
@@ -699,7 +758,10 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
 
 @main.command("sft")
 @click.option(
-    "--data", type=click.Path(dir_okay=False, exists=True), default=None, help="JSONL: samples or chats."
+    "--data",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSONL: samples or chats (export-sft's rows; with images, the student must be a VLM).",
 )
 @click.option(
     "--teacher", type=click.Choice(["oracle"]), default=None, help="Make the data with this teacher."
@@ -712,6 +774,14 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
 @click.option("--lr", type=float, default=1e-5, show_default=True, help="(from scratch: 1e-3)")
 @click.option("--batch-size", type=int, default=16, show_default=True, help="Sequences per step.")
 @click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
+@click.option(
+    "--schedule",
+    type=click.Choice(["constant", "cosine"]),
+    default="constant",
+    show_default=True,
+    help="Learning-rate decay after the warm-up.",
+)
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear warm-up steps.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 def sft_cmd(
@@ -729,12 +799,18 @@ def sft_cmd(
     if (data is None) == (teacher is None):
         raise click.UsageError("give exactly one of --data FILE.jsonl or --teacher oracle")
     out_dir = Path(out)
-    trainer = SFTTrainer(model_dir, SFTConfig(**kw))
     if data is not None:
-        samples = load_sft_data(data, trainer.policy.tokenizer)
+        # Rows are checked (and their images decoded) before the student's weights are loaded.
+        try:
+            loaded = load_sft_data(data, model_dir)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+        trainer = SFTTrainer(model_dir, SFTConfig(**kw), image_source=loaded.image_source)
+        samples = list(loaded)
     else:
         if tasks != "tools-tiny":
             raise click.BadParameter("the oracle teacher knows tools-tiny only", param_hint="--tasks")
+        trainer = SFTTrainer(model_dir, SFTConfig(**kw))
         samples = oracle_samples(model_dir, out_dir / "teacher", tasks=tasks, limit=limit)
         out_dir.mkdir(parents=True, exist_ok=True)
         write_samples(samples, out_dir / "teacher" / "samples.jsonl")

@@ -1,7 +1,9 @@
 """`openforge eval` and `openforge rollout`: run tasks through a harness, score them, report.
 
 On one machine the gateway is embedded (a background thread serving the model directory with the
-built-in engine); with `--gateway URL` the rollouts go to a running gateway instead.
+built-in engine, and the `--upstream` models, e.g. an LLM judge); with `--gateway URL` the rollouts
+go to a running gateway instead. Sandboxes reach only the gateway unless `--network host` lets them
+use the host's network, which tasks on live web sites (WebVoyager, Online-Mind2Web) need.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from tqdm import tqdm
 from openforgerl.engines.base import Engine
 from openforgerl.eval_stats import summarize
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.gateway.upstream import UpstreamSpec
 from openforgerl.runner import (
     HarnessFactory,
     OnFailure,
     RolloutResult,
     Runner,
     RunnerConfig,
+    RunNetwork,
     Status,
+    check_network,
     gui_harness,
     react_harness,
 )
@@ -59,11 +64,20 @@ class EvalOptions:
     out: Path = Path("runs/eval")
     run_id: str = ""
     progress: bool = True
+    network: RunNetwork = "gateway"  # "host": the sandboxes may use the host's network (live sites)
+    # External models the embedded gateway serves to rollouts created with "upstream": NAME (the LLM
+    # judge of web tasks asks "judge"); a running gateway (`gateway`) has its own.
+    upstreams: list[UpstreamSpec] = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
 def _gateway(opts: EvalOptions, engine: Engine | None) -> Iterator[tuple[str, str]]:
     if opts.gateway:
+        if opts.upstreams:
+            raise ValueError(
+                "--upstream configures the embedded gateway; a running gateway (--gateway) serves its "
+                "own upstreams (openforge gateway --upstream ...)"
+            )
         yield opts.gateway.rstrip("/"), opts.admin_token
         return
     if not opts.model:
@@ -74,6 +88,7 @@ def _gateway(opts: EvalOptions, engine: Engine | None) -> Iterator[tuple[str, st
         store=str(opts.out / "gateway.db"),
         max_tokens=opts.max_tokens,
         temperature=opts.temperature,
+        upstreams=list(opts.upstreams),
     )
     with serve_in_thread(cfg, engine) as gw:
         yield gw.url, gw.gateway.admin_token
@@ -89,8 +104,9 @@ Recorded = dict[str, Any]  # gateway rollout id -> the JSON of its recorded call
 
 def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[RolloutResult], Recorded]:
     """Run every selected task n times; returns the results and what the gateway recorded."""
-    harness = _harness(opts)
+    harness = harness_factory(opts)
     tasks = _select(opts)
+    check_network(tasks, opts.network)  # before the gateway loads a model
     n = opts.n or opts.k
     opts.out.mkdir(parents=True, exist_ok=True)
     run_id = opts.run_id or opts.out.name
@@ -102,6 +118,7 @@ def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[
             state_path=opts.out / "runner.db",
             concurrency=opts.concurrency,
             on_failure=opts.on_failure,
+            network=opts.network,
         )
         bar = tqdm(total=len(tasks) * n, desc="rollouts", unit="rollout", disable=not opts.progress)
 
@@ -124,7 +141,7 @@ def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[
     return results, recorded
 
 
-def _harness(opts: EvalOptions) -> HarnessFactory:
+def harness_factory(opts: EvalOptions) -> HarnessFactory:
     """The built-in harnesses that run in local sandboxes: react (tools) and gui (a browser)."""
     if opts.harness == "react":
         return react_harness(opts.max_turns, opts.max_tokens)
@@ -161,6 +178,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "tasks": opts.tasks,
         "harness": opts.harness,
+        "network": opts.network,
         "k": k,
         "n": opts.n or k,
         "rollouts": len(results),

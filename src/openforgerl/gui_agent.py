@@ -5,7 +5,9 @@ starts the task's site (`openforgerl.web`) on a free loopback port, opens it in 
 a screenshot (PNG; with --a11y also the page's accessibility tree and the positions of its
 controls) goes to the policy in one Chat Completions call (the `openai` client, the image as an
 `image_url` data URL in a user message), and the one action the policy calls is done in the
-browser. It stops when the policy calls `answer`, or after --max-steps calls.
+browser. It stops when the policy calls `answer`, or after --max-steps calls. When the prompt no
+longer fits the model's context (the gateway's `context_length_exceeded`), the history starts over
+from the newest screenshot with the task restated (`compactions` in the result) and the loop goes on.
 
     python -m openforgerl.gui_agent --base-url URL --api-key KEY --task @FILE --site NAME \\
         --max-steps 15 [--a11y] [--width 640 --height 480]
@@ -19,8 +21,21 @@ the policy as text, never a crash.
 Chromium is Debian's (/usr/bin/chromium, or --chromium), driven by Playwright's Python package;
 nothing is downloaded. It runs headless, so no display or X server is needed. `--no-sandbox` turns
 off Chromium's own sandbox only because it cannot nest inside ours: bubblewrap already gives the
-rollout its own user, pid and network namespaces, and the browser can reach nothing but the site
-(every other request is refused, the gateway's too).
+rollout its own user and pid namespaces, and its own network namespace unless the run lets it use
+the host's (for live sites).
+
+What the page may load: with --site, the site and nothing else. With --start-url (a live site, which
+the sandbox reaches only in a run with the host's network, `openforge eval --network host`), any
+http(s) URL, since live pages pull scripts, fonts and images from CDNs, except loopback, private and
+link-local addresses (unless the start URL is on one itself), judged by the URL's host, not by what a
+name resolves to. The gateway is refused either way: its host and port, and its port on any loopback
+name. A refused request fails as the browser's own blocked request; a refused navigate() is an
+invalid action.
+
+Exit status: 0 when the policy answered or used up its steps; 75 (EXIT_INFRA, sysexits' EX_TEMPFAIL)
+when the environment failed before the policy acted (the site did not start, the browser did not
+launch, the start page did not load), which the runner retries as an infrastructure failure and never
+scores; 2 for any other failure (the model API failed, the browser broke during the episode).
 
 It writes `.openforge/gui/step-NNN.png` (what the policy saw at each step) and
 `.openforge/gui/result.json` (`{"answer", "steps", "stopped", "url", ...}`, what the verifiers
@@ -31,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import ipaddress
 import json
 import math
 import socket
@@ -60,6 +76,8 @@ A11Y_LIMIT = 6000  # characters of accessibility text per step; the rest is elid
 MAX_TYPE = 1000
 MAX_SCROLL = 5000
 NAV_TIMEOUT_S = 10.0
+EXIT_INFRA = 75  # sysexits' EX_TEMPFAIL: the environment failed, not the policy (see the module's doc)
+EXIT_FAILED = 2
 
 SYSTEM_PROMPT = (
     "You operate a web browser to do a task. Each turn you get a screenshot of the browser "
@@ -152,8 +170,20 @@ class Outcome:
     url: str = ""  # the page at the end (path and query: the port is meaningless afterwards)
     actions: int = 0
     invalid_actions: int = 0
+    compactions: int = 0  # times the history was cut back to the newest observation (context full)
     errors: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def infra_failed(self) -> bool:
+        """The environment failed before the policy acted: the site or browser did not come up."""
+        return self.stopped == "site_error" or (self.stopped == "browser_error" and self.steps == 0)
+
+    @property
+    def exit_code(self) -> int:
+        if self.stopped in ("answered", "max_steps"):
+            return 0
+        return EXIT_INFRA if self.infra_failed else EXIT_FAILED
 
 
 # -- the site -------------------------------------------------------------------------------------
@@ -200,12 +230,58 @@ def _origin(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}".lower()
 
 
+def _host_port(url: str) -> tuple[str, int | None]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443, "ws": 80, "wss": 443}.get(parts.scheme)
+    except ValueError:  # a port out of range: no server there
+        port = None
+    return (parts.hostname or "").lower().rstrip("."), port
+
+
+def _is_local(host: str) -> bool:
+    """A loopback, private, link-local or unspecified address, or a name for the machine itself."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified
+
+
+class Access:
+    """What the page may load (see the module's doc): the site's origin only, or, for a live site,
+    any http(s) origin but local addresses (unless the start URL is local); never the gateway."""
+
+    def __init__(self, start_url: str, gateway_url: str, *, live: bool) -> None:
+        self.site = None if live else _origin(start_url)
+        self.local_ok = _is_local(_host_port(start_url)[0])
+        self.gateway = _host_port(gateway_url)
+
+    def is_gateway(self, url: str) -> bool:
+        host, port = _host_port(url)
+        gw_host, gw_port = self.gateway
+        return port == gw_port and (host == gw_host or (_is_local(host) and _is_local(gw_host)))
+
+    def allows(self, url: str) -> bool:
+        if not url.startswith(("http://", "https://")):
+            return url.startswith(("data:", "about:", "blob:"))
+        if self.is_gateway(url):
+            return False
+        if self.site is not None:
+            return _origin(url) == self.site
+        return self.local_ok or not _is_local(_host_port(url)[0])
+
+
 class Browser:
     """One page in headless Chromium, with the actions and observations of the loop."""
 
-    def __init__(self, page: Any, width: int, height: int, allowed: str | None, blocked: str) -> None:
+    def __init__(self, page: Any, width: int, height: int, access: Access) -> None:
         self.page, self.width, self.height = page, width, height
-        self.allowed, self.blocked = allowed, blocked  # origins: the only one allowed / never allowed
+        self.access = access
         self._loading = False
         page.on("request", self._on_request)
         page.on("requestfailed", self._on_done)
@@ -220,10 +296,7 @@ class Browser:
             self._loading = False
 
     def may_open(self, url: str) -> bool:
-        origin = _origin(url)
-        if not url.startswith(("http://", "https://")):
-            return url.startswith(("data:", "about:", "blob:"))
-        return origin != self.blocked and (self.allowed is None or origin == self.allowed)
+        return self.access.allows(url)
 
     def settle(self) -> None:
         """Wait for a navigation that the action started (a form post, a link) to load."""
@@ -239,7 +312,7 @@ class Browser:
 
     def where(self) -> str:
         parts = urlsplit(self.page.url)
-        if self.allowed is not None:
+        if self.access.site is not None:
             return parts.path + (f"?{parts.query}" if parts.query else "")
         return self.page.url
 
@@ -290,7 +363,8 @@ class Browser:
         if name == "navigate":
             url = urljoin(page.url, _str(args, "url").strip())
             if not self.may_open(url):
-                raise ActionError(f"{url} is not part of this site")
+                where = "part of this site" if self.access.site else "reachable from this browser"
+                raise ActionError(f"{url} is not {where}")
             page.goto(url, wait_until="load", timeout=NAV_TIMEOUT_S * 1000)
             return f"opened {self.where()}"
         raise ActionError(f"unknown tool {name!r}; the tools are {', '.join(TOOL_NAMES)}")
@@ -311,16 +385,14 @@ def _str(args: dict[str, Any], key: str) -> str:
 
 
 @contextmanager
-def browser(
-    start_url: str, width: int, height: int, allowed: str | None, blocked: str, chromium: str
-) -> Iterator[Browser]:
+def browser(start_url: str, width: int, height: int, access: Access, chromium: str) -> Iterator[Browser]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         instance = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
         try:
             context = instance.new_context(viewport={"width": width, "height": height}, device_scale_factor=1)
-            b = Browser(context.new_page(), width, height, allowed, blocked)
+            b = Browser(context.new_page(), width, height, access)
 
             def route(r: Any) -> None:
                 if b.may_open(r.request.url):
@@ -329,6 +401,8 @@ def browser(
                     r.abort("blockedbyclient")
 
             context.route("**/*", route)
+            # WebSockets bypass route(): the gateway's are closed unopened, the others left alone.
+            context.route_web_socket(access.is_gateway, lambda ws: ws.close())
             b.page.goto(start_url, wait_until="load", timeout=NAV_TIMEOUT_S * 3000)
             yield b
         finally:
@@ -366,6 +440,16 @@ class History:
                 self.messages[index] = {"role": "user", "content": short}
             self._with_image = self._with_image[-1:]
 
+    def compact(self, png: bytes, text: str, stand_in: str) -> bool:
+        """Start over from the newest observation (`text` restates the task): what a full context
+        leaves. False when there is nothing left to drop, the history being that one observation."""
+        if len(self.messages) <= 2:
+            return False
+        self.messages = self.messages[:1]
+        self._with_image = []
+        self.observe(png, text, stand_in)
+        return True
+
     @property
     def images(self) -> int:
         return len(self._with_image)
@@ -399,8 +483,8 @@ def run(
         with _site_or_url(site, start_url, workdir, state) as url:
             out.seconds["site_start"] = round(time.monotonic() - t0, 3)
             t1 = time.monotonic()
-            allowed = _origin(url) if site else None
-            with browser(url, width, height, allowed, _origin(base_url), chromium) as b:
+            access = Access(url, base_url, live=site is None)
+            with browser(url, width, height, access, chromium) as b:
                 out.seconds["browser_start"] = round(time.monotonic() - t1, 3)
                 _loop(
                     b, base_url, api_key, task, model, max_steps, max_tokens, a11y, keep_images, out_dir, out
@@ -442,27 +526,37 @@ def _loop(
             (out_dir / f"step-{out.steps:03d}.png").write_bytes(png)
             out.url = where = b.where()
             head = f"{note}\n" if note else ""
-            text = f"{head}Step {out.steps + 1} of {max_steps}. Page: {b.page.title()} ({where})"
+            text = f"Step {out.steps + 1} of {max_steps}. Page: {b.page.title()} ({where})"
             if a11y:
                 text += "\n" + b.accessibility()
-            history.observe(png, text, f"{head}[screenshot of {where} at step {out.steps + 1}]")
+            stand_in = f"{head}[screenshot of {where} at step {out.steps + 1}]"
+            history.observe(png, head + text, stand_in)
             browser_s += time.monotonic() - t
             if out.steps >= max_steps:
                 out.stopped = "max_steps"
                 return
             out.steps += 1
             t = time.monotonic()
-            try:
-                reply = client.chat.completions.create(
-                    model=model,
-                    messages=history.messages,
-                    tools=TOOLS,  # type: ignore[arg-type]
-                    max_tokens=max_tokens or openai.omit,
-                )
-            except openai.APIError as exc:
-                out.stopped = "api_error"
-                out.errors.append(f"{type(exc).__name__}: {exc}")
-                return
+            while True:
+                try:
+                    reply = client.chat.completions.create(
+                        model=model,
+                        messages=history.messages,
+                        tools=TOOLS,  # type: ignore[arg-type]
+                        max_tokens=max_tokens or openai.omit,
+                    )
+                    break
+                except openai.APIError as exc:
+                    # A full context (long replies over many steps) is compacted, as coding agents
+                    # do on this error: the episode goes on from the newest screenshot and the task.
+                    elided = f"Task: {task}\n[steps 1 to {out.steps - 1} elided: the context was full]\n"
+                    full = isinstance(exc, openai.BadRequestError) and exc.code == "context_length_exceeded"
+                    if full and history.compact(png, elided + head + text, elided + stand_in):
+                        out.compactions += 1
+                        continue
+                    out.stopped = "api_error"
+                    out.errors.append(f"{type(exc).__name__}: {exc}")
+                    return
             model_s += time.monotonic() - t
             t = time.monotonic()
             note, answer = _step(b, reply.choices[0].message, history, out)
@@ -559,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         chromium=a.chromium,
     )
     print(json.dumps(asdict(out)), flush=True)
-    return 0 if out.stopped in ("answered", "max_steps") else 2
+    return out.exit_code
 
 
 if __name__ == "__main__":

@@ -6,8 +6,14 @@ final state, and closes the gateway rollout with the reward. Concurrency is boun
 failures (a sandbox that does not start) are retried and never counted as the policy's failure; a
 harness that crashes or times out is a policy outcome, scored by `on_failure`:
 "zero" (reward 0), "drop" (excluded from training and scores) or "verify" (the verifier judges the
-partial state). Every state change is written to the run's SQLite file before the runner moves on,
-so a restarted run skips finished rollouts and redoes only the interrupted ones.
+partial state). A harness may name an exit code that means its environment failed (the GUI harness's
+site or browser did not start): that is an infrastructure failure too, retried and never scored.
+Every state change is written to the run's SQLite file before the runner moves on, so a restarted
+run skips finished rollouts and redoes only the interrupted ones.
+
+Sandboxes reach only the gateway (network "gateway"), unless the run allows the host's network
+(`RunnerConfig.network = "host"`, `openforge eval --network host`), which tasks on live web sites
+(`harness_options.start_url`) need; a run that has such tasks without it is refused before it starts.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any, Literal
 
 import httpx
 
+from openforgerl.gui_agent import EXIT_INFRA as GUI_EXIT_INFRA
 from openforgerl.harnesses.base import Harness
 from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
 from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
@@ -43,6 +50,7 @@ from openforgerl.tasks.verify import (
 )
 
 OnFailure = Literal["zero", "drop", "verify"]
+RunNetwork = Literal["gateway", "host"]  # what a run's sandboxes reach (see the module's doc)
 VERIFIER_DIR = "/tmp/openforge-verifier"  # outside the work dir: the agent never sees it
 
 
@@ -130,6 +138,9 @@ class HarnessLaunch:
     argv: list[str]
     env: dict[str, str]
     files: dict[str, str] = field(default_factory=dict)  # extra files to put in the sandbox first
+    # The exit code by which the harness says its environment failed, not the policy (e.g. a browser
+    # that did not start): the rollout is retried as an infrastructure failure, never scored.
+    infra_exit_code: int | None = None
 
 
 # A harness factory: (task, inside base_url, api_key, sandbox) -> launch.
@@ -186,7 +197,8 @@ def gui_harness(
             argv.append("--a11y")
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        return HarnessLaunch(argv, {}, {"/tmp/openforge-task.txt": task.instruction})
+        files = {"/tmp/openforge-task.txt": task.instruction}
+        return HarnessLaunch(argv, {}, files, infra_exit_code=GUI_EXIT_INFRA)
 
     return launch
 
@@ -243,6 +255,33 @@ class RunnerConfig:
     sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
     limits: Limits = field(default_factory=lambda: Limits(memory_bytes=2 << 30, cpus=1.0, pids=512))
     ro_binds: list[str] = field(default_factory=python_binds)
+    # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
+    # tasks with harness_options.start_url).
+    network: RunNetwork = "gateway"
+
+
+class NetworkNotAllowed(ValueError):
+    """Tasks need a network the run does not allow (live web sites without network "host")."""
+
+
+def needs_host_network(task: Task) -> bool:
+    """A task on a live web site (the GUI harness's `start_url`) needs the host's network."""
+    return bool(task.harness_options.get("start_url"))
+
+
+def check_network(tasks: Sequence[Task], network: str) -> None:
+    """Raises NetworkNotAllowed, naming the option to set, when tasks need more than `network`."""
+    if network not in ("gateway", "host"):
+        raise ValueError(f"network must be 'gateway' or 'host', not {network!r}")
+    live = [t.id for t in tasks if needs_host_network(t)]
+    if live and network != "host":
+        some = ", ".join(live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
+        raise NetworkNotAllowed(
+            f"{len(live)} task(s) ({some}) run on live web sites (harness_options.start_url), which "
+            "their sandboxes can reach only with the host's network: pass --network host to "
+            "openforge eval / rollout (RunnerConfig.network='host'). It lets the sandbox reach the "
+            "internet and whatever listens on the host."
+        )
 
 
 class Runner:
@@ -266,6 +305,7 @@ class Runner:
         on_done: Callable[[RolloutResult], None] | None = None,
     ) -> list[RolloutResult]:
         """Run every task `samples` times; finished rollouts of an earlier run are not redone."""
+        check_network(tasks, self.cfg.network)
         previous = self.state.load()
         results: dict[str, RolloutResult] = {}
         todo: list[tuple[Task, int]] = []
@@ -353,6 +393,9 @@ class Runner:
             t1 = time.monotonic()
             ran = await sandbox.exec(launch.argv, env=launch.env, timeout=task.timeout)
             r.seconds["harness"] = time.monotonic() - t1
+            if ran.exit_code == launch.infra_exit_code and ran.killed_by is None:
+                tail = (ran.stdout + ran.stderr)[-500:].strip()
+                raise SandboxStartError(f"the harness's environment failed (exit {ran.exit_code}): {tail}")
             r.outcome = _outcome(ran)
             r.details["harness"] = {"exit_code": ran.exit_code, "tail": (ran.stdout + ran.stderr)[-2000:]}
             if r.outcome != "ok" and self.cfg.on_failure == "drop":
@@ -398,7 +441,7 @@ class Runner:
         return SandboxSpec(
             files=files,
             limits=limits,
-            network="gateway",
+            network=self.cfg.network,
             gateway_url=self.cfg.gateway_url,
             ro_binds=self.cfg.ro_binds,
             image=task.image,

@@ -43,6 +43,24 @@ class VisionProcessor:
         return patches // self.merge_size**2
 
 
+# Config attributes naming the tokens that only the processor writes (image/video placeholders and
+# their brackets), never the model: a sampled one would make the next prompt's image runs mismatch.
+_PROCESSOR_ONLY = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+NEVER_SAMPLED = -1e9  # the logit these tokens get: exp() of it is exactly 0 in float32
+
+
+def unsampleable_token_ids(model: Any) -> list[int]:
+    """The ids a VLM policy may never emit, masked alike in the engine's sampling and the trainer's
+    logprobs (so both describe one distribution); none for a text model."""
+    ids = set()
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        for name in _PROCESSOR_ONLY:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value >= 0:
+                ids.add(value)
+    return sorted(ids)
+
+
 def is_vision_model(model_dir: str | Path) -> bool:
     """Whether the directory holds a vision-language model (its config has a vision tower)."""
     config = Path(model_dir) / "config.json"

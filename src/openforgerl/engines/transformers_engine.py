@@ -52,12 +52,14 @@ from openforgerl.engines.base import (
 )
 from openforgerl.images import Image
 from openforgerl.vision import (
+    NEVER_SAMPLED,
     VisionProcessor,
     check_placeholders,
     image_token_counts,
     is_vision_model,
     load_processor,
     rope_positions,
+    unsampleable_token_ids,
     vision_inputs,
 )
 
@@ -257,6 +259,7 @@ class TransformersEngine:
         model = await asyncio.to_thread(self._load_model)
         self._model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._unsampleable = torch.tensor(unsampleable_token_ids(model), dtype=torch.long)
         self._mergeable = all(
             type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers
         )
@@ -538,6 +541,8 @@ class TransformersEngine:
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Sample each row's next id; logprobs are under logits / T (raw logits when T == 0)."""
         logits = logits.float()
+        if len(self._unsampleable):  # processor-only tokens (image placeholders): never sampled
+            logits = logits.index_fill(-1, self._unsampleable.to(logits.device), NEVER_SAMPLED)
         temps = torch.tensor([r.sampling.temperature or 1.0 for r in rows], device=logits.device)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         ids = logp.argmax(-1)

@@ -1,9 +1,11 @@
 """`openforge train`: the RL loop on one machine.
 
-For each step: draw a batch of train tasks, run G rollouts of each through the harness in local
-sandboxes against an embedded gateway, build merged samples from what the gateway recorded, train
-one step, write a checkpoint and load it into the engine in place. The gateway serves the same
-engine object all run long, so rollouts of step k+1 come from the weights of step k.
+For each step: draw a batch of train tasks, run G rollouts of each through the harness (`react`,
+tool calls; or `gui`, a browser agent on screenshots for a vision-language policy, whose samples
+name their images by digest) in local sandboxes against an embedded gateway, build merged samples
+from what the gateway recorded, train one step, write a checkpoint and load it into the engine in
+place. The gateway serves the same engine object all run long, so rollouts of step k+1 come from the
+weights of step k.
 
 Run folder:
     run.json                 the options (read back by --resume)
@@ -76,9 +78,10 @@ from tqdm import tqdm
 
 from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
+from openforgerl.evaluate import EvalOptions, harness_factory
 from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_thread
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, iter_checkpoints, passed
-from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, react_harness
+from openforgerl.runner import HarnessFactory, OnFailure, RolloutResult, Runner, RunnerConfig, Status
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
 from openforgerl.trajectory import NO_VERSION, build_samples, calls_from_json
@@ -92,11 +95,13 @@ class TrainOptions:
     out: Path  # the run folder
     tasks: str = "tools-tiny"
     split: str = "train"
+    harness: str = "react"  # react (tool calls) or gui (a browser on screenshots: web-basic, a VLM policy)
     steps: int = 10
     group: int = 4  # rollouts per task (G)
     batch_tasks: int = 4  # tasks per step
     max_tokens: int = 128  # per model call
     max_turns: int = 8
+    max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
     max_context: int = 4096
     concurrency: int = 8
     temperature: float = 1.0
@@ -194,7 +199,7 @@ def run_tasks(
     async def go() -> list[RolloutResult]:
         if cancel is not None:
             cancel.attach()
-        runner = Runner(cfg, LocalBackend(), react_harness(opts.max_turns, opts.max_tokens))
+        runner = Runner(cfg, LocalBackend(), _harness(opts))
         try:
             return await runner.run(tasks, n, on_done=lambda _: bar.update(1))
         finally:
@@ -204,6 +209,19 @@ def run_tasks(
         return asyncio.run(go())
     finally:
         bar.close()
+
+
+def _harness(opts: TrainOptions) -> HarnessFactory:
+    """The harness of the run, chosen as `openforge eval` chooses it."""
+    return harness_factory(
+        EvalOptions(
+            tasks=opts.tasks,
+            harness=opts.harness,
+            max_tokens=opts.max_tokens,
+            max_turns=opts.max_turns,
+            max_steps=opts.max_steps,
+        )
+    )
 
 
 def recorded_rollouts(gw: RunningGateway, results: Sequence[RolloutResult]) -> list[Rollout]:
@@ -421,6 +439,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary."""
     if opts.max_lag < 0:
         raise ValueError(f"max_lag must be at least 0, not {opts.max_lag}")
+    _harness(opts)  # an unknown harness fails here, before a model is loaded
     run_dir = opts.out
     if not resume and (run_dir / RUN_FILE).exists():
         raise FileExistsError(

@@ -2,18 +2,22 @@
 
 Data: JSONL rows that are either samples (`openforge rollout`'s samples.jsonl: `input_ids` and
 `loss_mask`, and `image_digests` for a vision-language model's samples) or chat conversations
-(`messages`, optional `tools`; text only), which are tokenised with the student's own chat template;
-or trajectories made on the spot by a teacher (`oracle_samples`: the tools-tiny oracle played through
-the ReAct harness and recorded by the gateway). Samples with images need an image source (the
-gateway store's `images_sync`) to give the trainer their pixels.
-"""
+(`messages`, optional `tools`: `openforge export-sft`'s rows), which are tokenised with the
+student's own chat template, as the gateway would for that student; or trajectories made on the spot
+by a teacher (`oracle_samples`: the tools-tiny oracle played through the ReAct harness and recorded
+by the gateway).
+
+Chat rows may show images (OpenAI image_url parts with data URLs, as export-sft writes them): they
+need a vision-language student, and the decoded images travel with the loaded samples
+(`SFTData.image_source`) to give the trainer their pixels. Sample rows with `image_digests` need
+another image source (the gateway store's `images_sync`)."""
 
 from __future__ import annotations
 
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +25,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from openforgerl.images import Image, ImageError, image_from_data_url
+from openforgerl.rendering import ChatRenderer, VisionRenderer
 from openforgerl.rl import algos
 from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, micro_batches, passed
 from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
+from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
 
 
 @dataclass
@@ -36,6 +43,11 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     device: str | None = None
+    # The learning-rate schedule over the run (transformers' schedulers): linear warm-up for
+    # `warmup_steps`, then "constant" or "cosine" decay. A model trained from scratch needs the
+    # warm-up to learn attention across a long harness prompt at a useful peak rate.
+    schedule: str = "constant"
+    warmup_steps: int = 0
 
 
 def _sample(
@@ -54,49 +66,149 @@ def _sample(
     )
 
 
-def chat_sample(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tokenizer: Any) -> Sample:
-    """A conversation as one sequence in the tokenizer's chat template; mask 1 on assistant turns.
+StudentTokenizer = Any  # a Hugging Face tokenizer, or a VisionProcessor for a vision-language student
+
+
+def student_tokenizer(model_dir: str | Path) -> StudentTokenizer:
+    """What tokenises chat rows for the student in `model_dir`: its VisionProcessor when it is a
+    vision-language model, else its tokenizer."""
+    from transformers import AutoTokenizer
+
+    if is_vision_model(model_dir):
+        return load_processor(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _renderer(tokenizer: StudentTokenizer) -> ChatRenderer:
+    """The gateway's renderer for the student: a VisionRenderer for a processor (each image's
+    placeholder expanded to its token count), a ChatRenderer for a tokenizer."""
+    if isinstance(tokenizer, VisionProcessor):
+        return VisionRenderer(tokenizer)
+    return ChatRenderer(tokenizer)
+
+
+IMAGE_PARTS = ("image_url", "input_image")  # OpenAI Chat Completions and Responses image parts
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _part_image(part: dict[str, Any]) -> Image:
+    """The image of an OpenAI image_url (or Responses input_image) part with a data URL."""
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise ImageError(f"an image part without its data URL: {str(part)[:80]}")
+    return image_from_data_url(url)
+
+
+def _template_message(m: dict[str, Any]) -> tuple[dict[str, Any], list[Image]]:
+    """A row's message in the shape the gateway gives the chat template (`Message.template_dict`:
+    one {"type": "image"} per image, then the text parts joined), and its images in order."""
+    if m.get("images"):
+        raise ValueError(
+            "a message names its images by digest only; export rows with `openforge export-sft`, "
+            "which writes the images into the row"
+        )
+    content = m.get("content")
+    if not isinstance(content, list):
+        return m, []
+    images: list[Image] = []
+    texts: list[str] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else "text"
+        if kind in IMAGE_PARTS:
+            images.append(_part_image(part))
+        elif kind in TEXT_PARTS:
+            texts.append(part if isinstance(part, str) else str(part.get("text", "")))
+        else:
+            raise ValueError(f"content part type {kind!r}: a chat row's parts are text and image_url")
+    text = "".join(texts)
+    if not images:
+        return {**m, "content": text}, []
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+    if text:
+        parts.append({"type": "text", "text": text})
+    return {**m, "content": parts}, images
+
+
+def _chat(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, renderer: ChatRenderer
+) -> tuple[Sample, list[Image]]:
+    converted = [_template_message(m) for m in messages]
+    shaped = [m for m, _ in converted]
+    images = [im for _, ims in converted for im in ims]
+    if images and not renderer.takes_images:
+        name = getattr(renderer.tokenizer, "name_or_path", "") or "the student"
+        raise ValueError(
+            f"the conversation shows {len(images)} images, but the student {name} takes no images: "
+            "train a vision-language student (e.g. one made by `openforge model init --vision DIR`; "
+            "from Python, pass its model dir or its openforgerl.vision.load_processor)"
+        )
+
+    def ids(n: int, prompt: bool) -> list[int]:
+        text = renderer.tokenizer.apply_chat_template(
+            shaped[:n], tools=tools, add_generation_prompt=prompt, tokenize=False
+        )
+        return renderer.encode(text, [im for _, ims in converted[:n] for im in ims])
+
+    full = ids(len(shaped), False)
+    mask = [0] * len(full)
+    end_id = renderer.turn_end_id
+    for i, m in enumerate(messages):
+        # `weight: 0` (OpenAI's fine-tuning convention): a turn kept as context, not trained on.
+        if m.get("role") != "assistant" or m.get("weight", 1) == 0:
+            continue
+        prompt, upto = ids(i, True), ids(i + 1, False)
+        if upto[: len(prompt)] != prompt or full[: len(upto)] != upto:
+            raise ValueError(
+                f"the chat template does not render turn {i} as an extension of the turns before it"
+            )
+        end = len(upto)
+        if end_id in upto[len(prompt) :]:
+            end = upto.index(end_id, len(prompt)) + 1  # what follows the end-of-turn token is not sampled
+        mask[len(prompt) : end] = [1] * (end - len(prompt))
+    return _sample(full, mask, image_digests=[im.digest for im in images]), images
+
+
+def chat_sample(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tokenizer: StudentTokenizer
+) -> Sample:
+    """A conversation as one sequence in the student's chat template; mask 1 on assistant turns.
+
+    Rendered and tokenised as the gateway does the same conversation (its renderer): a message's
+    images (OpenAI image_url parts with data URLs) come before its text, each as the template's
+    placeholder expanded to the image's token count, so a vision-language student's `tokenizer` (its
+    VisionProcessor) gives the ids the engine would take with those pixels; the sample's
+    `image_digests` name the images in order.
 
     Each assistant turn's tokens are what the template adds between the prompt that asks for it
     (add_generation_prompt) and the conversation that includes it, up to and including the end-of-
     turn token: what the model would sample. The template must render a conversation as a prefix of
     its continuation, as ChatML templates do.
     """
-
-    def ids(msgs: list[dict[str, Any]], prompt: bool) -> list[int]:
-        out = tokenizer.apply_chat_template(
-            msgs, tools=tools, add_generation_prompt=prompt, tokenize=True, return_dict=False
-        )
-        return list(out)
-
-    if any(isinstance(m.get("content"), list) and any(_is_image(p) for p in m["content"]) for m in messages):
-        raise ValueError("chat rows with images are not supported: record them through the gateway")
-    full = ids(messages, False)
-    mask = [0] * len(full)
-    eos = tokenizer.eos_token_id
-    for i, m in enumerate(messages):
-        # `weight: 0` (OpenAI's fine-tuning convention): a turn kept as context, not trained on.
-        if m.get("role") != "assistant" or m.get("weight", 1) == 0:
-            continue
-        prompt, upto = ids(messages[:i], True), ids(messages[: i + 1], False)
-        if upto[: len(prompt)] != prompt or full[: len(upto)] != upto:
-            raise ValueError(
-                f"the chat template does not render turn {i} as an extension of the turns before it"
-            )
-        end = len(upto)
-        if eos in upto[len(prompt) :]:
-            end = upto.index(eos, len(prompt)) + 1  # what follows the end-of-turn token is not sampled
-        mask[len(prompt) : end] = [1] * (end - len(prompt))
-    return _sample(full, mask)
+    return _chat(messages, tools, _renderer(tokenizer))[0]
 
 
-def _is_image(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") in ("image", "image_url", "input_image")
+class SFTData(list[Sample]):
+    """Samples loaded for SFT, and the images their chat rows carried, by digest: `image_source`
+    gives them to the trainer (`SFTTrainer(..., image_source=data.image_source)`)."""
+
+    def __init__(self, samples: Iterable[Sample] = (), images: dict[str, Image] | None = None) -> None:
+        super().__init__(samples)
+        self.images: dict[str, Image] = dict(images or {})
+
+    def image_source(self, digests: Sequence[str]) -> dict[str, Image]:
+        return {d: self.images[d] for d in digests if d in self.images}
 
 
-def load_sft_data(path: str | Path, tokenizer: Any) -> list[Sample]:
-    """Samples from a JSONL file of sample rows or chat rows (the two may be mixed)."""
-    out = []
+def load_sft_data(path: str | Path, tokenizer: StudentTokenizer | str | Path) -> SFTData:
+    """Samples from a JSONL file of sample rows or chat rows (the two may be mixed), tokenised for
+    the student: its tokenizer, its VisionProcessor (needed for rows with images), or its model dir.
+    Chat rows' images are decoded once and kept in the result (`SFTData.image_source`)."""
+    if isinstance(tokenizer, str | Path):
+        tokenizer = student_tokenizer(tokenizer)
+    renderer = _renderer(tokenizer)
+    out = SFTData()
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -113,10 +225,17 @@ def load_sft_data(path: str | Path, tokenizer: Any) -> list[Sample]:
                 )
             )
         elif "messages" in row:
-            out.append(chat_sample(row["messages"], row.get("tools"), tokenizer))
+            try:  # ImageError is a ValueError
+                sample, images = _chat(row["messages"], row.get("tools"), renderer)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{n}: {exc}") from exc
+            sample.rollout_id = str(row.get("rollout_id", ""))
+            out.images.update((im.digest, im) for im in images)
+            out.append(sample)
         else:
             raise ValueError(f"{path}:{n}: a row needs input_ids + loss_mask, or messages")
-    return [s for s in out if s.num_loss_tokens]
+    out[:] = [s for s in out if s.num_loss_tokens]
+    return out
 
 
 def oracle_samples(
@@ -185,6 +304,21 @@ class SFTTrainer:
             image_source=image_source,
         )
         self.step = 0
+        self.scheduler: Any = None  # set by `schedule` (fit calls it); None: the constant `lr`
+
+    def schedule(self, total_steps: int) -> None:
+        """Set the learning-rate schedule for a run of `total_steps` optimizer steps."""
+        from transformers import get_scheduler
+
+        kind = {"constant": "constant_with_warmup", "cosine": "cosine"}.get(self.cfg.schedule)
+        if kind is None:
+            raise ValueError(f"unknown schedule {self.cfg.schedule!r}: constant or cosine")
+        self.scheduler = get_scheduler(
+            kind,
+            self.policy.optimizer,
+            num_warmup_steps=self.cfg.warmup_steps,
+            num_training_steps=total_steps,
+        )
 
     @torch.no_grad()
     def loss(self, samples: Sequence[Sample]) -> float:
@@ -208,13 +342,16 @@ class SFTTrainer:
             loss.backward()
             loss_sum += float(loss.detach())
             tokens += batch.real_tokens
+        lr = self.policy.optimizer.param_groups[0]["lr"]
         grad_norm = self.policy.clip_and_step(self.cfg.max_grad_norm)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.step += 1
         seconds = time.monotonic() - t0
         return {
             "loss": loss_sum,
             "grad_norm": grad_norm,
-            "lr": self.cfg.lr,
+            "lr": lr,
             "sequences": len(samples),
             "tokens": tokens,
             "loss_tokens": total,
@@ -235,6 +372,7 @@ class SFTTrainer:
         t0 = time.monotonic()
         try:
             steps = self.cfg.epochs * -(-len(samples) // size)
+            self.schedule(steps)
             bar = tqdm(total=steps, desc="sft", unit="step", disable=not progress)
             for epoch in range(self.cfg.epochs):
                 order = list(samples)

@@ -43,11 +43,13 @@ from openforgerl.images import Image
 from openforgerl.rl import algos
 from openforgerl.trajectory import Sample
 from openforgerl.vision import (
+    NEVER_SAMPLED,
     check_placeholders,
     image_token_counts,
     is_vision_model,
     load_processor,
     rope_positions,
+    unsampleable_token_ids,
     vision_inputs,
 )
 
@@ -236,6 +238,7 @@ class Policy:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._unsampleable = torch.tensor(unsampleable_token_ids(self.model), dtype=torch.long)
 
     def collate(self, samples: Sequence[Sample]) -> _Collated:
         batch = _collate(samples, self.pad_id, self.device)
@@ -299,6 +302,8 @@ class Policy:
                 out = model(input_ids=batch.ids, attention_mask=batch.attention, **batch.vision)
                 logits = out.logits[:, batch.positions]
         logits = logits.float() / self.temperature
+        if len(self._unsampleable):  # the engine never samples these (see vision.unsampleable_token_ids)
+            logits = logits.index_fill(-1, self._unsampleable.to(logits.device), NEVER_SAMPLED)
         picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
         return picked - logits.logsumexp(-1)
 

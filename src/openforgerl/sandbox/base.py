@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-Network = Literal["none", "gateway"]
+Network = Literal["none", "gateway", "host"]
+NETWORKS: tuple[Network, ...] = ("none", "gateway", "host")
 
 GiB = 1 << 30
 
@@ -33,6 +34,8 @@ class SandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     # "gateway": the gateway (and nothing else) is reachable, at `Sandbox.gateway_url`.
+    # "host": the network as the host has it, for tasks on live web sites: the internet, and the
+    # gateway at `Sandbox.gateway_url` too; how far that reaches into the host depends on the backend.
     network: Network = "none"
     # The gateway as the host reaches it, e.g. http://127.0.0.1:8000. Env values that contain it are
     # rewritten to the sandbox's own address for it.
@@ -46,8 +49,8 @@ class SandboxSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.network not in ("none", "gateway"):
-            raise ValueError(f"network must be 'none' or 'gateway', not {self.network!r}")
+        if self.network not in NETWORKS:
+            raise ValueError(f"network must be one of {', '.join(NETWORKS)}, not {self.network!r}")
         if self.network == "gateway" and not self.gateway_url:
             raise ValueError("network='gateway' needs gateway_url")
         if self.gateway_url is not None:

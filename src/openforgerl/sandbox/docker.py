@@ -6,7 +6,9 @@ memory (no swap), CPU and pids limits, and labels for the run and the sandbox. N
 docker's own; network "gateway" is the same empty network namespace plus the local backend's relay
 (bridge.py): a Unix socket on the host, bound into the container, forwards to the gateway, and a
 listener on the container's loopback (the container's main process, which needs python3 in the image)
-forwards to the socket. Nothing else is reachable.
+forwards to the socket. Nothing else is reachable. Network "host" (tasks on live web sites) is
+docker's default bridge network, not the host's namespace: the internet and what the host exposes on
+the bridge, with the gateway through the same relay (so a gateway on the host's loopback works too).
 
 Commands and files go through `docker exec` with container.py's wrapper, as in the Kubernetes backend
 (tar into tmpfs cannot use docker's archive API: it writes beneath the mounts). The SDK blocks, so
@@ -197,9 +199,14 @@ class DockerSandbox:
         return port if port >= 1024 else 8080  # a low port needs a capability the sandbox lacks
 
     @property
+    def _relayed(self) -> bool:
+        return self._gateway is not None and self.spec.network != "none"
+
+    @property
     def gateway_url(self) -> str | None:
-        if self._gateway is None or self.spec.network != "gateway":
+        if not self._relayed:
             return None
+        assert self._gateway is not None
         return f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}{self._gateway.path}"
 
     @property
@@ -221,7 +228,7 @@ class DockerSandbox:
         )
         command = list(container.IDLE)
         volumes: dict[str, dict[str, str]] = {}
-        if self.spec.network == "gateway":
+        if self._relayed:
             assert self._dir is not None
             volumes[str(self._dir)] = {"bind": INSIDE_RUN, "mode": "ro"}
             relay = [f"{INSIDE_RUN}/bridge.py", str(self._inner_port), f"{INSIDE_RUN}/gw.sock", "--"]
@@ -235,7 +242,7 @@ class DockerSandbox:
             "user": f"{container.UID}:{container.UID}",
             "working_dir": container.WORKDIR,
             "environment": container.base_env(env, self.gateway_url),
-            "network_mode": "none",
+            "network_mode": "bridge" if self.spec.network == "host" else "none",
             "init": True,
             "read_only": True,
             "tmpfs": {container.WORKDIR: tmpfs, container.HOME: tmpfs, container.TMP: tmpfs},
@@ -267,7 +274,7 @@ class DockerSandbox:
         self._state = _State.RUNNING
         client = self.backend.client
         try:
-            if self.spec.network == "gateway":
+            if self._relayed:
                 assert self._gateway is not None and self._gateway.hostname
                 self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-"))
                 shutil.copyfile(bridge.__file__, self._dir / "bridge.py")
@@ -291,7 +298,7 @@ class DockerSandbox:
                 logs = await self.backend.call(lambda: self._container.logs(tail=20))
                 raise SandboxUnavailable(
                     f"sandbox {self.name}: the container exited at once "
-                    f"(python3 in the image is needed for network='gateway'): {logs.decode(errors='replace')}"
+                    f"(python3 in the image is needed to reach the gateway): {logs.decode(errors='replace')}"
                 )
             self._pid = int(self._container.attrs["State"]["Pid"])
             done = await self._exec_raw(container.PROBE, None, container.Output(), None)

@@ -2,7 +2,8 @@
 
 Why exec and not a server inside the Pod: the runner then needs nothing but the API server (it runs
 wherever kubectl works, in or out of the cluster); rollout Pods accept no ingress at all (the
-NetworkPolicy in deploy/kubernetes lets them reach the gateway and nothing else); RBAC on `pods/exec`
+NetworkPolicy in deploy/kubernetes lets them reach the gateway and nothing else, or with network
+"host", for tasks on live web sites, the gateway and public addresses); RBAC on `pods/exec`
 is the only credential; and any image with a POSIX shell works, with nothing of ours installed in it.
 The price: every command streams through the API server and the kubelet, so the number of Pods in
 flight is capped, and a broken stream loses its command (an infrastructure failure: retried).
@@ -226,7 +227,7 @@ def pod_manifest(
                 "uid": parent_uid,
             }
         ]
-    inside = (cfg.gateway_url or spec.gateway_url) if spec.network == "gateway" else None
+    inside = (cfg.gateway_url or spec.gateway_url) if spec.network != "none" else None
     env = container.base_env(container.rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
     size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
     volumes: list[dict[str, Any]] = [
@@ -534,8 +535,8 @@ class KubernetesBackend:
             await session.close()
 
     def create(self, spec: SandboxSpec, name: str) -> KubernetesSandbox:
-        if spec.network == "gateway" and not (self.cfg.gateway_url or spec.gateway_url):
-            raise ValueError("network='gateway' needs the gateway's URL as Pods reach it")
+        if spec.network != "none" and not (self.cfg.gateway_url or spec.gateway_url):
+            raise ValueError(f"network={spec.network!r} needs the gateway's URL as Pods reach it")
         if spec.ro_binds:
             # A Pod sees its image, not this host: the harness must be in the image (or the cache volume).
             log.debug("sandbox %s: ro_binds are not mounted into Pods", name)
@@ -651,7 +652,7 @@ class KubernetesSandbox:
 
     @property
     def gateway_url(self) -> str | None:
-        if self.spec.network != "gateway":
+        if self.spec.network == "none":
             return None
         return self.backend.cfg.gateway_url or self.spec.gateway_url
 
@@ -659,7 +660,8 @@ class KubernetesSandbox:
     def info(self) -> SandboxInfo:
         cfg = self.backend.cfg
         isolation = f"pod ({cfg.runtime_class})" if cfg.runtime_class else "pod"
-        # "gateway" holds only where deploy/kubernetes' NetworkPolicy is applied (doctor checks it).
+        # "gateway" (and "host" short of the cluster's private addresses) hold only where
+        # deploy/kubernetes' NetworkPolicies are applied (doctor checks it).
         return SandboxInfo(self.name, self.backend.name, isolation, "cgroup", self.spec.network)
 
     @property

@@ -5,7 +5,9 @@ between execs): new user, pid, net, ipc, uts and cgroup namespaces; a root holdi
 system dirs (/usr, /etc minus what other users may not read, the lib links) and the spec's binds; uid
 1000, no capabilities. The pid namespace dies with its command, so nothing one exec starts outlives it.
 With network "gateway" the command's loopback has a relay (bridge.py) to a Unix socket that the host
-end forwards to the gateway; nothing else is reachable.
+end forwards to the gateway; nothing else is reachable. With network "host" (for tasks on live web
+sites) the command shares the host's network namespace: it reaches the internet, the gateway at its
+host URL, and whatever else listens on the host, its loopback included; the other namespaces stay.
 
 Limits: a cgroup v1 per sandbox (memory, cpu, pids) that every exec joins before it starts, which also
 tells OOM kills and pids-limit hits apart; rlimits through `prlimit` where cgroups are not writable.
@@ -332,6 +334,16 @@ def _unreadable_under(top: str) -> tuple[list[str], list[str]]:
     return files, dirs
 
 
+def _resolver_binds() -> list[str]:
+    """Binds that make the host's DNS resolver config visible inside: /etc/resolv.conf is often a
+    link out of /etc (systemd-resolved's /run/systemd/resolve/stub-resolv.conf), which the sandbox's
+    root lacks."""
+    target = os.path.realpath("/etc/resolv.conf")
+    if target.startswith(("/etc/", "/usr/")) or not os.path.isfile(target):
+        return []
+    return ["--ro-bind", target, target]
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -531,9 +543,9 @@ class LocalSandbox:
 
     @property
     def gateway_url(self) -> str | None:
-        if self._gateway is None or self.spec.network != "gateway":
+        if self._gateway is None or self.spec.network == "none":
             return None
-        if not self._bridged:
+        if not self._bridged:  # network "host", or no isolation: the host's own address
             return self.spec.gateway_url
         return f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}{self._gateway.path}"
 
@@ -683,6 +695,10 @@ class LocalSandbox:
         run = self._dir / "run"
         args = [*self.backend.bwrap_base, "--ro-bind", str(run / "passwd"), "/etc/passwd"]
         args += ["--ro-bind", str(run / "group"), "/etc/group"]
+        if self.spec.network == "host":
+            # After --unshare-all: keeps the host's network namespace (and only that).
+            args.append("--share-net")
+            args += _resolver_binds()
         binds = [(p, p) if isinstance(p, str) else p for p in self.spec.ro_binds]
         python = os.path.realpath(sys.executable)
         if self._bridged and not python.startswith("/usr/"):

@@ -1,10 +1,14 @@
 """Public web-agent benchmarks as tasks: WebVoyager and Online-Mind2Web, read from their own files.
 
-`load_tasks("webvoyager:PATH")` and `load_tasks("online-mind2web:PATH")` (so `openforge eval --tasks
-webvoyager:data/WebVoyager_data.jsonl`) give one `Task` per record: the GUI harness (`harness:
-gui`) starting at the record's site (`harness_options.start_url`), split `test`, scored by the LLM
-judge `openforgerl.web.judge:judge` (the tasks are on the live web: no state to check, only what
-the agent saw and answered). The original record is kept in `metadata.record`.
+`load_tasks("webvoyager:PATH")` and `load_tasks("online-mind2web:PATH")` give one `Task` per
+record: the GUI harness (`harness: gui`) starting at the record's site
+(`harness_options.start_url`), split `test`, scored by the LLM judge `openforgerl.web.judge:judge`
+(the tasks are on the live web: no state to check, only what the agent saw and answered). The
+original record is kept in `metadata.record`. They need the live web and a judge model behind the
+gateway's upstream mode:
+
+    openforge eval --tasks webvoyager:data/WebVoyager_data.jsonl --harness gui --network host \
+        --upstream judge=openai:gpt-4.1 --model VLM_DIR      # key from OPENAI_API_KEY
 
 Formats (as published):
 
