@@ -112,7 +112,7 @@ test-ui: $(STAMP)
 	  { echo "Chromium is missing: as root, apt-get install chromium" >&2; exit 1; }
 	@$(BIN)/pip show playwright 2>/dev/null | grep -qx 'Version: $(PLAYWRIGHT_VERSION)' || \
 	  $(BIN)/pip install -q playwright==$(PLAYWRIGHT_VERSION)
-	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_ui_images.py tests/test_web.py tests/test_gui_e2e.py
+	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_ui_images.py tests/test_web.py tests/test_gui_e2e.py tests/test_sandbox_network.py
 
 ## The viewer's front end is plain ES modules with uPlot vendored from its npm tarball: this fetches
 ## the tarball again, checks it against the recorded integrity and copies the same files

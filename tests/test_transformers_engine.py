@@ -122,6 +122,24 @@ def test_is_an_engine(tiny_model_dir: Path) -> None:
     assert engine.tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.eos_token_ids
 
 
+def test_thread_cap_holds_while_serving_and_is_given_back(tiny_model_dir: Path) -> None:
+    """eval caps the embedded engine's threads so sandboxes keep cores; the demo's SFT after an
+    eval must get the process's threads back."""
+    before = torch.get_num_threads()
+    engine = TransformersEngine(tiny_model_dir, threads=1)
+
+    async def serve() -> int:
+        await engine.start()
+        try:
+            await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+            return torch.get_num_threads()
+        finally:
+            await engine.close()
+
+    assert asyncio.run(serve()) == 1
+    assert torch.get_num_threads() == before
+
+
 def test_batching_batches(tiny_model_dir: Path) -> None:
     async def main() -> None:
         async with running(tiny_model_dir) as engine:

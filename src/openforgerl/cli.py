@@ -445,6 +445,13 @@ def _rollout_options(fn: Any) -> Any:
             help="What sandboxes reach: only the gateway, or the host's network (the internet and the "
             "host's own services), which live-site tasks (webvoyager:FILE, online-mind2web:FILE) need.",
         ),
+        click.option(
+            "--engine-threads",
+            type=int,
+            default=None,
+            help="CPU threads of the embedded engine (default: half the cores, the rest for the "
+            "sandboxes: a harness, a browser and the engine oversubscribing 2 cores slow calls 4-30x).",
+        ),
         click.option("--out", type=click.Path(file_okay=False), default=None, help="Run folder."),
     ]
     for option in reversed(options):
@@ -484,6 +491,7 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
         on_failure=kw["on_failure"],
         out=Path(kw["out"] or default_out),
         network=kw["network"],
+        engine_threads=kw["engine_threads"],
         upstreams=upstreams,
     )
 

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -65,6 +66,7 @@ class EvalOptions:
     run_id: str = ""
     progress: bool = True
     network: RunNetwork = "gateway"  # "host": the sandboxes may use the host's network (live sites)
+    engine_threads: int | None = None  # the embedded engine's CPU threads (None: half the cores)
     # External models the embedded gateway serves to rollouts created with "upstream": NAME (the LLM
     # judge of web tasks asks "judge"); a running gateway (`gateway`) has its own.
     upstreams: list[UpstreamSpec] = dataclasses.field(default_factory=list)
@@ -89,6 +91,7 @@ def _gateway(opts: EvalOptions, engine: Engine | None) -> Iterator[tuple[str, st
         max_tokens=opts.max_tokens,
         temperature=opts.temperature,
         upstreams=list(opts.upstreams),
+        engine_threads=opts.engine_threads or max(1, (os.cpu_count() or 2) // 2),
     )
     with serve_in_thread(cfg, engine) as gw:
         yield gw.url, gw.gateway.admin_token

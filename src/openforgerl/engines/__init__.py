@@ -5,14 +5,15 @@ from __future__ import annotations
 from openforgerl.engines.base import Engine
 
 
-def make_engine(spec: str, model_dir: str, *, policy_version: int = 0) -> Engine:
+def make_engine(spec: str, model_dir: str, *, policy_version: int = 0, threads: int | None = None) -> Engine:
     """`builtin` (transformers in this process), `vllm:URL` or `sglang:URL`; `policy_version` is the
-    version of the weights the engine starts with (its calls carry it until the first load_weights)."""
+    version of the weights the engine starts with (its calls carry it until the first load_weights);
+    `threads` caps the built-in engine's CPU threads (torch's intra-op pool, process-wide)."""
     kind, _, url = spec.partition(":")
     if kind == "builtin":
         from openforgerl.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, policy_version=policy_version)
+        return TransformersEngine(model_dir, policy_version=policy_version, threads=threads)
     if kind in ("vllm", "sglang") and url:
         if kind == "vllm":
             from openforgerl.engines.vllm import VLLMEngine

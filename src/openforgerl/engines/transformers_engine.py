@@ -187,6 +187,7 @@ class TransformersEngine:
         batch_wait_ms: float = 2.0,
         max_context: int | None = None,
         policy_version: int = 0,
+        threads: int | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")
@@ -198,6 +199,8 @@ class TransformersEngine:
         self.dtype: torch.dtype | str = dtype or (torch.float32 if self.device.type == "cpu" else "auto")
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        # torch's intra-op pool is process-wide: capping it leaves cores to the rollouts' sandboxes.
+        self.threads = threads
         self.batch_wait = batch_wait_ms / 1000.0
 
         self.config = AutoConfig.from_pretrained(self.model_dir)
@@ -256,6 +259,9 @@ class TransformersEngine:
     async def start(self) -> None:
         if self._thread is not None:
             return
+        self._threads_before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
         model = await asyncio.to_thread(self._load_model)
         self._model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -282,6 +288,8 @@ class TransformersEngine:
             self._cond.notify_all()
         await asyncio.to_thread(thread.join)
         self._thread = None
+        if self.threads:  # the process's other torch work (e.g. the demo's SFT next) gets them back
+            torch.set_num_threads(self._threads_before)
 
     def _check_running(self) -> None:
         if self._thread is None or self._closing:
