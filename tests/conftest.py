@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,3 +22,26 @@ def tiny_model_dir() -> Path:
 def tiny_vlm_dir() -> Path:
     """The kit's tiny Qwen2-VL (read-only: tests that write use tests.vlm_helpers.tiny_vlm)."""
     return cached_model("tiny", 0, vision=True)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Debian's Chromium through Playwright (`make test-ui` installs both), one profile per module."""
+    from tests.test_ui import CHROMIUM, CHROMIUM_ARGS
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"no Chromium at {CHROMIUM} (make test-ui installs Debian's)")
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_api.sync_playwright() as pw:
+        # A persistent context is how Playwright takes a --user-data-dir: a fresh one per session.
+        context = pw.chromium.launch_persistent_context(
+            str(profile),
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1360, "height": 900},
+            device_scale_factor=1,
+        )
+        yield context
+        context.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import random
 import sqlite3
 import threading
@@ -547,14 +546,11 @@ CHROMIUM_ARGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def viewer_url(run_dir: tuple[Path, dict[str, str]]) -> Iterator[str]:
+@contextlib.contextmanager
+def serve_viewer(config: ViewerConfig) -> Iterator[str]:
+    """The viewer on a free loopback port in a thread, for the browser tests."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(ViewerConfig(runs=run_dir[0], poll_seconds=0.5)), port=port, log_level="warning"
-        )
-    )
+    server = uvicorn.Server(uvicorn.Config(build_app(config), port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -567,23 +563,9 @@ def viewer_url(run_dir: tuple[Path, dict[str, str]]) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM} (make test-ui installs Debian's)")
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    with sync_api.sync_playwright() as pw:
-        # A persistent context is how Playwright takes a --user-data-dir: a fresh one per session.
-        context = pw.chromium.launch_persistent_context(
-            str(profile),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1360, "height": 900},
-            device_scale_factor=1,
-        )
-        yield context
-        context.close()
+def viewer_url(run_dir: tuple[Path, dict[str, str]]) -> Iterator[str]:
+    with serve_viewer(ViewerConfig(runs=run_dir[0], poll_seconds=0.5)) as url:
+        yield url
 
 
 def shot(page: Any, name: str, **kw: Any) -> None:

@@ -12,27 +12,23 @@ import asyncio
 import concurrent.futures
 import contextlib
 import io
-import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from PIL import Image as PILImage
 from starlette.testclient import TestClient
 
 from openforgerl.conversation import Message, ToolCall
 from openforgerl.gateway.core import recorded_message
-from openforgerl.gateway.server import free_port
 from openforgerl.images import Image, image_from_bytes
 from openforgerl.store import CallRow, RolloutRow, Store
 from openforgerl.store.sqlite import SCHEMA
 from openforgerl.ui import ViewerConfig, build_app
-from tests.test_ui import CHROMIUM, CHROMIUM_ARGS, shot
+from tests.test_ui import serve_viewer, shot
 
 RUN = "gui-run"
 RED, BLUE = (220, 40, 40), (40, 80, 220)
@@ -266,38 +262,8 @@ def test_a_store_from_before_images_still_opens(tmp_path: Path) -> None:
 # -- the browser ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def viewer_url(recorded: tuple[Path, dict[str, Any]]) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(ViewerConfig(store=recorded[0])), port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the viewer did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no Chromium at {CHROMIUM} (make test-ui installs Debian's)")
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    with sync_api.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(profile),
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1360, "height": 900},
-            device_scale_factor=1,
-        )
-        yield context
-        context.close()
+    with serve_viewer(ViewerConfig(store=recorded[0])) as url:
+        yield url
 
 
 # What one rendered thumbnail shows: its sizes, the colour at its centre (drawn as laid out), and the
