@@ -44,8 +44,11 @@ class DemoConfig:
     seed: int = 0
     size: Literal["tiny", "small"] = "tiny"
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
-    sft_epochs: int = 12
-    sft_lr: float = 1e-3  # from scratch; 3e-3 leaves a 2M model unable to attend across the prompt
+    # About 1,200 steps: a from-scratch 2M model learns to copy values across the harness prompt
+    # slowly (held-out teacher-forced turn accuracy 0.25 at 300 steps, 0.43 at 900).
+    sft_epochs: int = 48
+    sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
+    sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
     rl_steps: int = 10
     rl_group: int = 8  # G: rollouts per task
@@ -66,6 +69,7 @@ class DemoConfig:
 QUICK = {
     "teacher_tasks": 16,
     "sft_epochs": 1,
+    "sft_warmup": 0,
     "rl_steps": 2,
     "rl_group": 2,
     "rl_batch_tasks": 2,
@@ -161,7 +165,14 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     def sft() -> None:
         trainer = SFTTrainer(
             model_dir,
-            SFTConfig(lr=cfg.sft_lr, epochs=cfg.sft_epochs, batch_size=cfg.sft_batch, seed=cfg.seed),
+            SFTConfig(
+                lr=cfg.sft_lr,
+                epochs=cfg.sft_epochs,
+                batch_size=cfg.sft_batch,
+                seed=cfg.seed,
+                schedule="cosine",
+                warmup_steps=cfg.sft_warmup,
+            ),
         )
         samples = load_sft_data(teacher_file, trainer.policy.tokenizer)
         summary = trainer.fit(samples, sft_dir, progress=cfg.progress)
