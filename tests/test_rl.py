@@ -34,7 +34,9 @@ from openforgerl.rl.loop import (
 )
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, chat_sample, oracle_samples
 from openforgerl.rl.trainer import (
+    SHARED_PREFIX_MIN,
     MetricsLog,
+    Policy,
     Rollout,
     Trainer,
     TrainerConfig,
@@ -211,6 +213,37 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engin
         params.append(torch.cat([p.detach().flatten() for p in trainer.policy.model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-5)
     assert micro_batches([5, 3, 9, 2], 10) == [[2], [0, 1], [3]]
+
+
+def test_a_shared_system_prompt_runs_once_with_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
+    """Rows that open alike (a harness's system prompt, a group's task) run that prefix once and go
+    on from its KV cache: the logprobs and the gradients equal those of running every row whole."""
+    import dataclasses
+
+    policy = Policy(tiny_model_dir, lr=1e-3)
+    system = {"role": "system", "content": "You are an agent in a workspace. Use the tools. " * 4}
+
+    def row(name: str, opener: dict[str, str] = system) -> Sample:
+        turns = [opener, {"role": "user", "content": f"Read {name}."}, {"role": "assistant", "content": name}]
+        return chat_sample(turns, None, policy.tokenizer)
+
+    samples = [row("a.txt"), row("notes/b.txt"), row("c")]  # unequal lengths: right padding
+    batch = policy.collate(samples)
+    assert SHARED_PREFIX_MIN <= batch.shared <= int(batch.positions.min())
+    results = []
+    for shared in (batch.shared, 0):
+        policy.model.zero_grad()
+        one = dataclasses.replace(batch, shared=shared)
+        lp = policy.logprobs(one)
+        (-(lp * one.mask).sum()).backward()
+        grads = [p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]
+        results.append((lp.detach(), torch.cat(grads)))
+    (lp_shared, g_shared), (lp_whole, g_whole) = results
+    assert torch.allclose(lp_shared, lp_whole, atol=1e-5)
+    assert torch.allclose(g_shared, g_whole, rtol=1e-4, atol=1e-6)
+    # Nothing shared from the first token: every row runs whole.
+    other = row("a.txt", {"role": "system", "content": "Be brief. " * 12})
+    assert policy.collate([samples[0], other]).shared == 0
 
 
 def test_engine_logprobs_equal_the_trainers_after_a_step(

@@ -158,6 +158,9 @@ class _Collated:
     behaviour: torch.Tensor  # (B, P)
     advantages: torch.Tensor  # (B, P)
     real_tokens: int
+    # Leading tokens every row shares (the harness's system prompt, a group's task): the forward pass
+    # runs them once and the rows continue from their KV cache. 0: each row runs whole.
+    shared: int = 0
     # Vision-language models: position_ids (3, B, L), and pixel_values + image_grid_thw of the rows'
     # images in row order when any row has images; empty for text models.
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -178,6 +181,7 @@ def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _C
         mask[row, : k - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
         behaviour[row, : k - 1] = torch.tensor(s.logprobs[1:])
     positions = mask.any(0).nonzero().squeeze(-1)
+    shared = _shared_prefix(ids, attention, positions)
     advantages = torch.tensor([s.advantage or 0.0 for s in samples])[:, None].expand(n, len(positions))
     return _Collated(
         ids=ids.to(device),
@@ -188,7 +192,22 @@ def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _C
         behaviour=behaviour[:, positions].to(device),
         advantages=advantages.contiguous().to(device),
         real_tokens=int(attention.sum()),
+        shared=shared,
     )
+
+
+SHARED_PREFIX_MIN = 32  # below this, running the prefix apart saves less than it costs
+
+
+def _shared_prefix(ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor) -> int:
+    """How many leading tokens all rows share, short of the first loss position and of every row's
+    last token (each row keeps a suffix to run); 0 when that is too short to be worth it."""
+    if ids.shape[0] < 2 or len(positions) == 0:
+        return 0
+    same = ((ids == ids[:1]) & (attention == 1)).all(0)
+    n = int(same.long().cumprod(0).sum())
+    n = min(n, int(positions.min()), int(attention.sum(1).min()) - 1)
+    return n if n >= SHARED_PREFIX_MIN else 0
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -243,6 +262,7 @@ class Policy:
     def collate(self, samples: Sequence[Sample]) -> _Collated:
         batch = _collate(samples, self.pad_id, self.device)
         if self.processor is not None:
+            batch.shared = 0  # M-RoPE positions and pixels go in whole
             batch.vision = self._vision(samples, batch)
         elif any(s.image_digests for s in samples):
             raise ValueError("samples with images, but the policy model takes no images")
@@ -288,19 +308,21 @@ class Policy:
         """(B, P) logprobs of the targets at temperature `self.temperature` (gradients enabled)."""
         model = model or self.model
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        skip = batch.shared
+        inputs: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.attention, **batch.vision}
+        if skip:
+            # The shared prefix runs once, its KV cache is repeated for every row (gradients flow back
+            # through the repeat), and only the rows' own tokens run per row.
+            with autocast:
+                cache = model(input_ids=batch.ids[:1, :skip], use_cache=True).past_key_values
+            cache.batch_repeat_interleave(batch.ids.shape[0])
+            inputs.update(input_ids=batch.ids[:, skip:], past_key_values=cache, use_cache=False)
         with autocast:
             if self._keeps_logits:
                 # Only the loss positions go through the LM head: on small models that is half the FLOPs.
-                out = model(
-                    input_ids=batch.ids,
-                    attention_mask=batch.attention,
-                    logits_to_keep=batch.positions,
-                    **batch.vision,
-                )
-                logits = out.logits
+                logits = model(**inputs, logits_to_keep=batch.positions - skip).logits
             else:
-                out = model(input_ids=batch.ids, attention_mask=batch.attention, **batch.vision)
-                logits = out.logits[:, batch.positions]
+                logits = model(**inputs).logits[:, batch.positions - skip]
         logits = logits.float() / self.temperature
         if len(self._unsampleable):  # the engine never samples these (see vision.unsampleable_token_ids)
             logits = logits.index_fill(-1, self._unsampleable.to(logits.device), NEVER_SAMPLED)
