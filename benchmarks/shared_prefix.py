@@ -5,7 +5,8 @@ Harness calls open with the same system prompt and tool list (the ReAct harness:
 group share their task too. The trainer runs such a prefix once and continues every row from its KV
 cache (`Policy.logprobs`, `_Collated.shared`); the logprobs and gradients are the same (tests/
 test_rl.py). This times a forward + backward pass of one micro-batch of tools-tiny oracle
-trajectories both ways, alternating, on the kit's model.
+trajectories (recorded by the gateway as the demo's teacher phase does) both ways, alternating,
+on the kit's model.
 
     .venv/bin/python benchmarks/shared_prefix.py [--size tiny] [--batch 8 16 32] [--repeats 5]
                                                  [--out benchmarks/results/shared_prefix.json]
@@ -20,6 +21,8 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,39 +30,8 @@ from typing import Any
 import torch
 
 from openforgerl.modelkit import cached_model
-from openforgerl.react_agent import SYSTEM_PROMPT, TOOLS
-from openforgerl.rl.sft import chat_sample
+from openforgerl.rl.sft import oracle_samples
 from openforgerl.rl.trainer import Policy
-from openforgerl.tasks import Task, load_tasks
-from openforgerl.tasks.suites.tools_tiny import OracleCall, oracle
-
-
-def oracle_conversation(task: Task) -> list[dict[str, Any]]:
-    """The ReAct harness's conversation for `task` played by the tools-tiny oracle."""
-    assert isinstance(task.files, dict)
-    solution = oracle(task)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": task.instruction},
-    ]
-    calls = [*solution.calls, OracleCall("submit", {"answer": solution.final_answer})]
-    for i, call in enumerate(calls):
-        function = {"name": call.name, "arguments": call.arguments}
-        messages.append(
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"id": f"c{i}", "type": "function", "function": function}],
-            }
-        )
-        if call.name == "read_file":
-            messages.append(
-                {"role": "tool", "tool_call_id": f"c{i}", "content": task.files[call.arguments["path"]]}
-            )
-        elif call.name == "write_file":
-            wrote = f"wrote {len(call.arguments['content'])} characters to {call.arguments['path']}"
-            messages.append({"role": "tool", "tool_call_id": f"c{i}", "content": wrote})
-    return messages
 
 
 def one_pass(policy: Policy, batch: Any) -> float:
@@ -78,9 +50,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/shared_prefix.json"))
     args = ap.parse_args()
 
-    policy = Policy(cached_model(args.size), lr=1e-3)
-    tasks = load_tasks("tools-tiny", split="train")[: max(args.batch)]
-    samples = [chat_sample(oracle_conversation(t), TOOLS, policy.tokenizer) for t in tasks]
+    model = cached_model(args.size)
+    policy = Policy(model, lr=1e-3)
+    with tempfile.TemporaryDirectory() as scratch:  # the teacher's rollouts, as the demo records them
+        samples = oracle_samples(model, Path(scratch), limit=max(args.batch), progress=False)
+    if len(samples) < max(args.batch):
+        sys.exit(f"the oracle teacher solved {len(samples)} of {max(args.batch)} tasks: see its rollouts")
     rows = []
     for size in args.batch:
         batch = policy.collate(samples[:size])

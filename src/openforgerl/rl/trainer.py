@@ -166,7 +166,9 @@ class _Collated:
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _Collated:
+def _collate(
+    samples: Sequence[Sample], pad_id: int, device: torch.device, share_prefix: bool = True
+) -> _Collated:
     width = max(len(s.input_ids) for s in samples)
     n = len(samples)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -181,7 +183,7 @@ def _collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> _C
         mask[row, : k - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
         behaviour[row, : k - 1] = torch.tensor(s.logprobs[1:])
     positions = mask.any(0).nonzero().squeeze(-1)
-    shared = _shared_prefix(ids, attention, positions)
+    shared = _shared_prefix(ids, attention, positions) if share_prefix else 0
     advantages = torch.tensor([s.advantage or 0.0 for s in samples])[:, None].expand(n, len(positions))
     return _Collated(
         ids=ids.to(device),
@@ -260,9 +262,9 @@ class Policy:
         self._unsampleable = torch.tensor(unsampleable_token_ids(self.model), dtype=torch.long)
 
     def collate(self, samples: Sequence[Sample]) -> _Collated:
-        batch = _collate(samples, self.pad_id, self.device)
+        # A vision-language model's M-RoPE positions and pixels go in whole: no shared prefix.
+        batch = _collate(samples, self.pad_id, self.device, share_prefix=self.processor is None)
         if self.processor is not None:
-            batch.shared = 0  # M-RoPE positions and pixels go in whole
             batch.vision = self._vision(samples, batch)
         elif any(s.image_digests for s in samples):
             raise ValueError("samples with images, but the policy model takes no images")
