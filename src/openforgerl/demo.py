@@ -2,7 +2,7 @@
 
     python -m openforgerl.demo [--out runs/demo] [--quick] [--seed N]
 
-Every phase runs the real path: the ReAct harness (official `openai` client) in local sandboxes,
+Every phase runs the real path: the ReAct harness (Chat Completions over httpx) in local sandboxes,
 the recording gateway, the verifier, the embedded trainer with veRL's algorithm code.
 
 1. model    a tiny Qwen2 model made locally (random weights, its own BPE tokenizer)

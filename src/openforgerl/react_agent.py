@@ -1,8 +1,13 @@
-"""The built-in ReAct harness: a plain tool-calling loop on the official `openai` client.
+"""The built-in ReAct harness: a plain tool-calling loop over Chat Completions.
 
 It needs nothing but Python, so it is the default harness where no node is installed. It runs
 inside the rollout's sandbox, in the task's work directory, and talks to the gateway like any
-other harness: Chat Completions at `base_url + "/v1"` with the rollout's key.
+other harness: `POST base_url + "/v1/chat/completions"` with the rollout's key.
+
+It speaks the wire format with `httpx` rather than the `openai` SDK: importing `openai` costs
+about 1.3 s of CPU (its pydantic types), paid once per rollout, which on a 2-core machine was most
+of a tools-tiny rollout's cost. Retries follow the SDK's rules (connection errors, 408, 409, 429,
+5xx; exponential back-off, `Retry-After` honoured).
 
     python -m openforgerl.react_agent --base-url URL --api-key KEY --task "..." [--max-turns 16]
 
@@ -15,9 +20,12 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 SYSTEM_PROMPT = (
     "You are an agent working in a workspace directory. Use the tools to inspect and change files. "
@@ -126,6 +134,39 @@ def run_tool(name: str, args: dict[str, Any], workdir: Path, timeout: float) -> 
     raise ValueError(f"unknown tool {name!r}; the tools are bash, read_file, write_file, submit")
 
 
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class APIError(Exception):
+    """The endpoint failed the call after every retry (or refused it outright)."""
+
+
+def _retry_delay(attempt: int, response: httpx.Response | None) -> float:
+    after = response.headers.get("retry-after") if response is not None else None
+    if after and after.replace(".", "", 1).isdigit() and float(after) <= 60:
+        return float(after)
+    return min(0.5 * 2**attempt, 8.0)
+
+
+def chat(client: httpx.Client, body: dict[str, Any], retries: int = 4) -> dict[str, Any]:
+    """One Chat Completions call; returns the reply's first message (a dict, as on the wire)."""
+    for attempt in range(retries + 1):
+        response = None
+        try:
+            response = client.post("/chat/completions", json=body)
+        except httpx.TransportError as exc:
+            if attempt == retries:
+                raise APIError(f"{type(exc).__name__}: {exc}") from exc
+        else:
+            if response.status_code < 400:
+                message: dict[str, Any] = response.json()["choices"][0]["message"]
+                return message
+            if response.status_code not in RETRY_STATUS or attempt == retries:
+                raise APIError(f"HTTP {response.status_code}: {response.text[:2000]}")
+        time.sleep(_retry_delay(attempt, response))
+    raise AssertionError("unreachable")
+
+
 def run(
     base_url: str,
     api_key: str,
@@ -137,47 +178,49 @@ def run(
     workdir: Path = Path("."),
     tool_timeout: float = 60.0,
 ) -> Outcome:
-    import openai
-
-    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=4, timeout=600)
-    messages: list[Any] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task}]
+    headers = {"Authorization": f"Bearer {api_key}"}
+    client = httpx.Client(base_url=base_url.rstrip("/") + "/v1", headers=headers, timeout=600)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": task},
+    ]
     out = Outcome()
-    while out.turns < max_turns:
-        out.turns += 1
-        try:
-            reply = client.chat.completions.create(
-                model=model,
-                messages=messages,
-                tools=TOOLS,  # type: ignore[arg-type]
-                max_tokens=max_tokens or openai.omit,
-            )
-        except openai.APIError as exc:
-            out.stopped = "api_error"
-            out.errors.append(f"{type(exc).__name__}: {exc}")
-            return out
-        msg = reply.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True, exclude={"reasoning_content"}))
-        if not msg.tool_calls:
-            out.stopped = "no_tool_call"
-            out.answer = msg.content
-            return out
-        for call in msg.tool_calls:
-            fn = getattr(call, "function", None)
-            if fn is None:
-                continue
-            out.tool_calls += 1
+    with client:
+        while out.turns < max_turns:
+            out.turns += 1
+            body: dict[str, Any] = {"model": model, "messages": messages, "tools": TOOLS}
+            if max_tokens:
+                body["max_tokens"] = max_tokens
             try:
-                args = json.loads(fn.arguments or "{}")
-                if not isinstance(args, dict):
-                    raise ValueError("arguments must be a JSON object")
-                if fn.name == "submit":
-                    out.stopped, out.answer = "submitted", str(args.get("answer", ""))
-                    return out
-                result = run_tool(fn.name, args, workdir, tool_timeout)
-            except (ValueError, KeyError, OSError) as exc:
-                out.tool_errors += 1
-                result = f"error: {exc}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                msg = chat(client, body)
+            except (APIError, ValueError, KeyError, IndexError, TypeError) as exc:
+                out.stopped = "api_error"
+                out.errors.append(f"{type(exc).__name__}: {exc}")
+                return out
+            # The assistant turn goes back as sent, without null fields or reasoning.
+            messages.append({k: v for k, v in msg.items() if v is not None and k != "reasoning_content"})
+            calls = msg.get("tool_calls") or []
+            if not calls:
+                out.stopped = "no_tool_call"
+                out.answer = msg.get("content")
+                return out
+            for call in calls:
+                fn = call.get("function")
+                if not isinstance(fn, dict):
+                    continue
+                out.tool_calls += 1
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                    if not isinstance(args, dict):
+                        raise ValueError("arguments must be a JSON object")
+                    if fn.get("name") == "submit":
+                        out.stopped, out.answer = "submitted", str(args.get("answer", ""))
+                        return out
+                    result = run_tool(str(fn.get("name")), args, workdir, tool_timeout)
+                except (ValueError, KeyError, OSError) as exc:
+                    out.tool_errors += 1
+                    result = f"error: {exc}"
+                messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
     out.stopped = "max_turns"
     return out
 
