@@ -40,6 +40,7 @@ from openforgerl.rl.trainer import (
     Rollout,
     Trainer,
     TrainerConfig,
+    common_prefix,
     iter_checkpoints,
     micro_batches,
     select_groups,
@@ -244,6 +245,13 @@ def test_a_shared_system_prompt_runs_once_with_the_same_logprobs_and_gradients(t
     # Nothing shared from the first token: every row runs whole.
     other = row("a.txt", {"role": "system", "content": "Be brief. " * 12})
     assert policy.collate([samples[0], other]).shared == 0
+    # Micro-batches count that prefix once: rows that fit only because of it go in one pass.
+    assert common_prefix(samples) == batch.shared and common_prefix([samples[0], other]) == 0
+    longest = max(len(s.input_ids) for s in samples)
+    budget = batch.shared + 3 * (longest - batch.shared)
+    assert budget < 3 * longest
+    assert policy.micro_batches(samples, budget) == [[1, 0, 2]]
+    assert len(policy.micro_batches([samples[0], other, samples[1]], budget)) > 1
 
 
 def test_engine_logprobs_equal_the_trainers_after_a_step(

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
 from openforgerl.rl import algos
-from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, micro_batches, passed
+from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, passed
 from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
 
@@ -325,7 +325,7 @@ class SFTTrainer:
         """Mean negative log-likelihood per loss token (no update)."""
         total = sum(s.num_loss_tokens for s in samples)
         out = 0.0
-        for chunk in micro_batches([len(s.input_ids) for s in samples], self.cfg.micro_batch_tokens):
+        for chunk in self.policy.micro_batches(samples, self.cfg.micro_batch_tokens):
             batch = self.policy.collate([samples[i] for i in chunk])
             out += float(algos.sft_loss(self.policy.logprobs(batch), batch.mask, total))
         return out
@@ -336,7 +336,7 @@ class SFTTrainer:
         total = sum(s.num_loss_tokens for s in samples)
         loss_sum = 0.0
         tokens = 0
-        for chunk in micro_batches([len(s.input_ids) for s in samples], self.cfg.micro_batch_tokens):
+        for chunk in self.policy.micro_batches(samples, self.cfg.micro_batch_tokens):
             batch = self.policy.collate([samples[i] for i in chunk])
             loss = algos.sft_loss(self.policy.logprobs(batch), batch.mask, total)
             loss.backward()

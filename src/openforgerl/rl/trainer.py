@@ -131,19 +131,34 @@ def select_groups(
     return kept, stats
 
 
-def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices grouped so that rows x longest row stays within `budget` (a longer row goes alone).
+def micro_batches(lengths: Sequence[int], budget: int, shared: int = 0) -> list[list[int]]:
+    """Indices grouped so that each micro-batch's padded tokens stay within `budget` (a longer row
+    goes alone): rows x longest row, or, when every row opens with the same `shared` tokens that run
+    once, shared + rows x (longest row - shared).
 
     Rows are taken longest first, so each micro-batch pads little.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     out: list[list[int]] = []
     for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+        if out and shared + (len(out[-1]) + 1) * (lengths[out[-1][0]] - shared) <= budget:
             out[-1].append(i)
         else:
             out.append([i])
     return out
+
+
+def common_prefix(samples: Sequence[Sample]) -> int:
+    """The leading tokens every sample shares before its first loss token (what `_shared_prefix`
+    finds in any micro-batch of them); 0 when too short to be run once."""
+    if len(samples) < 2:
+        return 0
+    first = samples[0].input_ids
+    n = min(len(s.input_ids) - 1 for s in samples)
+    for s in samples:
+        n = min(n, s.loss_mask.index(1) - 1 if 1 in s.loss_mask else n)
+        n = next((k for k in range(n) if s.input_ids[k] != first[k]), n)
+    return n if n >= SHARED_PREFIX_MIN else 0
 
 
 @dataclass
@@ -261,6 +276,11 @@ class Policy:
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._unsampleable = torch.tensor(unsampleable_token_ids(self.model), dtype=torch.long)
 
+    def micro_batches(self, samples: Sequence[Sample], budget: int) -> list[list[int]]:
+        """`samples` split into micro-batches within `budget` padded tokens, a shared prefix counted once."""
+        shared = common_prefix(samples) if self.processor is None else 0
+        return micro_batches([len(s.input_ids) for s in samples], budget, shared)
+
     def collate(self, samples: Sequence[Sample]) -> _Collated:
         # A vision-language model's M-RoPE positions and pixels go in whole: no shared prefix.
         batch = _collate(samples, self.pad_id, self.device, share_prefix=self.processor is None)
@@ -336,7 +356,7 @@ class Policy:
         """Per sample, the logprob of every token given the ones before it (0.0 for the first token
         and where the loss mask is 0), aligned with input_ids like `Sample.logprobs`."""
         out: list[list[float]] = [[0.0] * len(s.input_ids) for s in samples]
-        for chunk in micro_batches([len(s.input_ids) for s in samples], budget):
+        for chunk in self.micro_batches(samples, budget):
             batch = self.collate([samples[i] for i in chunk])
             lp = self.logprobs(batch)
             for row, i in enumerate(chunk):
@@ -504,7 +524,7 @@ class Trainer:
                 tokens=sum(s.num_loss_tokens for s in mini),
                 sequences=sum(1 for s in mini if s.num_loss_tokens),
             )
-            for chunk in micro_batches([len(s.input_ids) for s in mini], cfg.micro_batch_tokens):
+            for chunk in self.policy.micro_batches(mini, cfg.micro_batch_tokens):
                 rows = [mini[i] for i in chunk]
                 batch = self.policy.collate(rows)
                 lp = self.policy.logprobs(batch)
@@ -560,7 +580,7 @@ class Trainer:
     def _old_logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
         """pi_old per sample (keyed by id()), aligned with input_ids[1:]."""
         out: dict[int, torch.Tensor] = {}
-        for chunk in micro_batches([len(s.input_ids) for s in samples], self.cfg.micro_batch_tokens):
+        for chunk in self.policy.micro_batches(samples, self.cfg.micro_batch_tokens):
             rows = [samples[i] for i in chunk]
             batch = self.policy.collate(rows)
             lp = self.policy.logprobs(batch)
