@@ -56,3 +56,43 @@ def test_react_agent_runs_tools_and_submits(tiny_model_dir: Path, tmp_path: Path
     assert (work / "answer.txt").read_text().strip() == "42"
     assert len(calls) == 4 and {c["branch_id"] for c in calls} == {0}
     assert all(c["branch_reason"] == "" for c in calls[1:])
+
+
+def test_chat_retries_overload_and_reports_refusals() -> None:
+    """Like the SDKs: 429/5xx and dropped connections are retried (Retry-After honoured); a 400
+    is not, and its body reaches the harness's error."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import pytest
+
+    from openforgerl.react_agent import APIError, chat
+
+    replies = [(503, b'{"error": "busy"}'), (200, b'{"choices": [{"message": {"role": "assistant"}}]}')]
+    seen: list[dict[str, object]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append({"auth": self.headers["Authorization"], **body})
+            code, payload = replies.pop(0) if replies else (400, b'{"error": "bad tools"}')
+            self.send_response(code)
+            self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1/chat/completions"
+    try:
+        assert chat(url, "k1", {"model": "policy"}) == {"role": "assistant"}
+        assert [s["auth"] for s in seen] == ["Bearer k1", "Bearer k1"] and seen[0]["model"] == "policy"
+        with pytest.raises(APIError, match=r"HTTP 400: .*bad tools"):
+            chat(url, "k1", {"model": "policy"})
+        assert len(seen) == 3  # the 400 was not retried
+    finally:
+        server.shutdown()
