@@ -44,8 +44,8 @@ class DemoConfig:
     seed: int = 0
     size: Literal["tiny", "small"] = "tiny"
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
-    # ~800 steps of 16 (~1.4 s each on 2 cores with the shared harness prompt run once per
-    # micro-batch; 2.4 s without). A from-scratch 2M model learns to copy values across the harness
+    # ~800 steps of 16 (687 s in all on 2 cores, with the shared harness prompt run once per
+    # micro-batch). A from-scratch 2M model learns to copy values across the harness
     # prompt slowly: held-out teacher-forced turn accuracy 0.56 at 400 steps and 0.53 at 800 with
     # these settings (it memorises 400 trajectories; more distinct ones would help more than steps).
     sft_epochs: int = 32
