@@ -2,7 +2,7 @@
 
     python -m openforgerl.demo [--out runs/demo] [--quick] [--seed N]
 
-Every phase runs the real path: the ReAct harness (Chat Completions over httpx) in local sandboxes,
+Every phase runs the real path: the ReAct harness (Chat Completions, stdlib HTTP) in local sandboxes,
 the recording gateway, the verifier, the embedded trainer with veRL's algorithm code.
 
 1. model    a tiny Qwen2 model made locally (random weights, its own BPE tokenizer)
@@ -45,9 +45,9 @@ class DemoConfig:
     size: Literal["tiny", "small"] = "tiny"
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
     # ~800 steps of 16 (687 s in all on 2 cores, with the shared harness prompt run once per
-    # micro-batch). A from-scratch 2M model learns to copy values across the harness
-    # prompt slowly: held-out teacher-forced turn accuracy 0.56 at 400 steps and 0.53 at 800 with
-    # these settings (it memorises 400 trajectories; more distinct ones would help more than steps).
+    # micro-batch). A from-scratch 2M model learns to copy file names from the instruction in a
+    # sudden jump whose timing varies from run to run, and it underfits the values it must carry
+    # from the tool responses (train and held-out accuracy alike): see issue #5's notes.
     sft_epochs: int = 32
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay

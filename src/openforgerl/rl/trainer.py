@@ -149,14 +149,16 @@ def micro_batches(lengths: Sequence[int], budget: int, shared: int = 0) -> list[
 
 
 def common_prefix(samples: Sequence[Sample]) -> int:
-    """The leading tokens every sample shares before its first loss token (what `_shared_prefix`
-    finds in any micro-batch of them); 0 when too short to be run once."""
-    if len(samples) < 2:
+    """How many leading tokens all samples share, short of the first loss position and of every
+    sample's last token (each row keeps a suffix to run); 0 when that is too short to be worth
+    running once."""
+    with_loss = [s for s in samples if 1 in s.loss_mask]
+    if len(samples) < 2 or not with_loss:
         return 0
     first = samples[0].input_ids
     n = min(len(s.input_ids) - 1 for s in samples)
+    n = min(n, *(s.loss_mask.index(1) - 1 for s in with_loss))
     for s in samples:
-        n = min(n, s.loss_mask.index(1) - 1 if 1 in s.loss_mask else n)
         n = next((k for k in range(n) if s.input_ids[k] != first[k]), n)
     return n if n >= SHARED_PREFIX_MIN else 0
 
@@ -198,7 +200,7 @@ def _collate(
         mask[row, : k - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
         behaviour[row, : k - 1] = torch.tensor(s.logprobs[1:])
     positions = mask.any(0).nonzero().squeeze(-1)
-    shared = _shared_prefix(ids, attention, positions) if share_prefix else 0
+    shared = common_prefix(samples) if share_prefix else 0
     advantages = torch.tensor([s.advantage or 0.0 for s in samples])[:, None].expand(n, len(positions))
     return _Collated(
         ids=ids.to(device),
@@ -214,17 +216,6 @@ def _collate(
 
 
 SHARED_PREFIX_MIN = 32  # below this, running the prefix apart saves less than it costs
-
-
-def _shared_prefix(ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor) -> int:
-    """How many leading tokens all rows share, short of the first loss position and of every row's
-    last token (each row keeps a suffix to run); 0 when that is too short to be worth it."""
-    if ids.shape[0] < 2 or len(positions) == 0:
-        return 0
-    same = ((ids == ids[:1]) & (attention == 1)).all(0)
-    n = int(same.long().cumprod(0).sum())
-    n = min(n, int(positions.min()), int(attention.sum(1).min()) - 1)
-    return n if n >= SHARED_PREFIX_MIN else 0
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
