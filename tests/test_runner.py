@@ -20,7 +20,7 @@ from openforgerl.evaluate import EvalOptions, run_eval
 from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig, Status, react_harness
 from openforgerl.sandbox import SandboxSpec, SandboxStartError
 from openforgerl.sandbox.local import LocalBackend
-from openforgerl.tasks import Task, load_tasks
+from openforgerl.tasks import CommandVerifier, Task, load_tasks
 from openforgerl.tasks.suites.tools_tiny import oracle
 from tests.gateway_helpers import ScriptEngine, running_gateway
 
@@ -247,3 +247,30 @@ def test_eval_killed_mid_run_resumes_without_losing_or_repeating(
     assert all(after[k] == v for k, v in before.items())  # finished rollouts were not run again
     report = json.loads((out / "report.json").read_text())
     assert report["rollouts"] == 8 and report["scored"] == 8
+
+
+def test_rollouts_finish_in_unisolated_sandboxes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Without bwrap a sandbox's paths are host paths: the harness's task file, the verifier's files and
+    the work dir's copy-out go to the sandbox's own temp dir, never the host's /tmp."""
+    answer = oracle(TASKS[1]).final_answer
+    command = CommandVerifier(
+        command='sh "$OPENFORGE_VERIFIER_DIR/check.sh"',
+        files={"check.sh": f'test "$(cat answer.txt)" = "{answer}"\n'},
+    )
+    tasks = [TASKS[0], TASKS[1].model_copy(update={"verifier": command})]
+    state = tmp_path / "sandboxes"
+    state.mkdir()
+    with running_gateway(tiny_model_dir, tmp_path, oracle_engine(tiny_model_dir)) as gw:
+        runner = Runner(config(gw, tmp_path), LocalBackend(bwrap=False, state_dir=state), react_harness())
+
+        async def go() -> Any:
+            try:
+                return await runner.run(tasks)
+            finally:
+                await runner.close()
+
+        results = asyncio.run(go())
+    assert [(r.status, r.outcome, r.reward) for r in results] == [(Status.DONE, "ok", 1.0)] * 2, [
+        r.details for r in results
+    ]
+    assert not any(state.iterdir())

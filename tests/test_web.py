@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -403,9 +404,10 @@ def test_a_verifier_without_state_or_answer_gives_zero(tmp_path: Path) -> None:
 
 def test_the_gui_harness_launch_and_eval_choice() -> None:
     task = BY_ID["web-shop-buy-one-0"]
+    sandbox: Any = SimpleNamespace(tmpdir="/tmp")  # all the launch asks of its sandbox
 
     def argv(task: Task, **kw: Any) -> list[str]:
-        return asyncio.run(gui_harness(python="py", **kw)(task, "http://gw/r/1", "key", None)).argv  # type: ignore[arg-type]
+        return asyncio.run(gui_harness(python="py", **kw)(task, "http://gw/r/1", "key", sandbox)).argv
 
     got = argv(task)
     assert got[:3] == ["py", "-m", "openforgerl.gui_agent"] and "--a11y" not in got

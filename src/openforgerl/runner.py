@@ -22,6 +22,7 @@ import asyncio
 import enum
 import io
 import json
+import posixpath
 import sqlite3
 import sys
 import tarfile
@@ -51,7 +52,10 @@ from openforgerl.tasks.verify import (
 
 OnFailure = Literal["zero", "drop", "verify"]
 RunNetwork = Literal["gateway", "host"]  # what a run's sandboxes reach (see the module's doc)
-VERIFIER_DIR = "/tmp/openforge-verifier"  # outside the work dir: the agent never sees it
+# In the sandbox's temp dir (`Sandbox.tmpdir`), outside the work dir: the agent never sees them.
+TASK_FILE = "openforge-task.txt"  # the built-in harnesses' instruction
+VERIFIER_DIR = "openforge-verifier"  # a command verifier's files
+WORKDIR_TAR = "openforge-workdir.tar"  # the work dir, copied out for a Python verifier
 
 
 class Status(enum.StrEnum):
@@ -156,11 +160,12 @@ def react_harness(
 
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         turns = int(task.harness_options.get("max_turns", max_turns))
+        task_file = posixpath.join(sandbox.tmpdir, TASK_FILE)
         argv = [python, "-m", "openforgerl.react_agent", "--base-url", base_url, "--api-key", api_key]
-        argv += ["--task", "@/tmp/openforge-task.txt", "--max-turns", str(turns)]
+        argv += ["--task", f"@{task_file}", "--max-turns", str(turns)]
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        return HarnessLaunch(argv, {}, {"/tmp/openforge-task.txt": task.instruction})
+        return HarnessLaunch(argv, {}, {task_file: task.instruction})
 
     return launch
 
@@ -184,8 +189,9 @@ def gui_harness(
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         opts = task.harness_options
         steps = max_steps or int(opts.get("max_steps", GUI_MAX_STEPS))
+        task_file = posixpath.join(sandbox.tmpdir, TASK_FILE)
         argv = [python, "-m", "openforgerl.gui_agent", "--base-url", base_url, "--api-key", api_key]
-        argv += ["--task", "@/tmp/openforge-task.txt", "--max-steps", str(steps)]
+        argv += ["--task", f"@{task_file}", "--max-steps", str(steps)]
         if opts.get("site"):
             argv += ["--site", str(opts["site"])]
         elif opts.get("start_url"):
@@ -197,8 +203,7 @@ def gui_harness(
             argv.append("--a11y")
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        files = {"/tmp/openforge-task.txt": task.instruction}
-        return HarnessLaunch(argv, {}, files, infra_exit_code=GUI_EXIT_INFRA)
+        return HarnessLaunch(argv, {}, {task_file: task.instruction}, infra_exit_code=GUI_EXIT_INFRA)
 
     return launch
 
@@ -213,7 +218,7 @@ def cli_harness(harness: Harness, model: str = "policy") -> HarnessFactory:
 
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         probe = await sandbox.exec(["sh", "-c", 'printf %s "$HOME"'], timeout=30)
-        home = probe.stdout.strip() or "/tmp"
+        home = probe.stdout.strip() or sandbox.tmpdir
         return await asyncio.to_thread(
             _prepare_cli, harness, task, base_url, api_key, model, home, sandbox.workdir
         )
@@ -465,12 +470,13 @@ class Runner:
                 await _copy_out(sandbox, Path(tmp))
                 return await asyncio.to_thread(run_python_verifier, verifier, Path(tmp), gateway)
         assert isinstance(verifier, CommandVerifier)
+        verifier_dir = posixpath.join(sandbox.tmpdir, VERIFIER_DIR)
         if verifier.files is not None:
             with tempfile.TemporaryDirectory() as tmp:
                 write_files(verifier.files, Path(tmp))
-                await sandbox.put_dir(tmp, VERIFIER_DIR)
+                await sandbox.put_dir(tmp, verifier_dir)
         done = await sandbox.exec(
-            verifier.command, env=verifier_env(task.id, VERIFIER_DIR), timeout=verifier.timeout
+            verifier.command, env=verifier_env(task.id, verifier_dir), timeout=verifier.timeout
         )
         if done.timed_out:
             raise VerifierError(f"the verifier ran over its timeout of {verifier.timeout} s")
@@ -500,7 +506,7 @@ async def _copy_out(sandbox: Sandbox, dest: Path) -> None:
     """Copy the work dir out of the sandbox for a Python verifier: a tar file made inside, read back
     with get_file, whose limit (hundreds of MiB) is far above an exec's output cap (1 MiB), so a
     state with files like the GUI harness's screenshots comes out whole."""
-    archive = "/tmp/openforge-workdir.tar"  # outside the work dir, which it must not contain
+    archive = posixpath.join(sandbox.tmpdir, WORKDIR_TAR)  # outside the work dir, which it must not contain
     done = await sandbox.exec(["tar", "-cf", archive, "."], timeout=120)
     if not done.ok:
         raise VerifierError(f"could not copy the work dir out of the sandbox: {done.stderr[-300:]}")

@@ -146,6 +146,13 @@ class Sandbox(Protocol):
         ...
 
     @property
+    def tmpdir(self) -> str:
+        """The sandbox's own temp dir as commands inside see it (their TMPDIR): where the runner puts
+        what the agent must not see in the work dir. Not always /tmp: a local sandbox without
+        isolation has no /tmp of its own."""
+        ...
+
+    @property
     def gateway_url(self) -> str | None:
         """The gateway as commands inside reach it (build the rollout's base URLs from this)."""
         ...

@@ -193,6 +193,10 @@ class DockerSandbox:
         return container.WORKDIR
 
     @property
+    def tmpdir(self) -> str:
+        return container.TMP
+
+    @property
     def _inner_port(self) -> int:
         assert self._gateway is not None
         port = self._gateway.port or (443 if self._gateway.scheme == "https" else 80)

@@ -651,6 +651,10 @@ class KubernetesSandbox:
         return container.WORKDIR
 
     @property
+    def tmpdir(self) -> str:
+        return container.TMP
+
+    @property
     def gateway_url(self) -> str | None:
         if self.spec.network == "none":
             return None

@@ -13,7 +13,8 @@ Limits: a cgroup v1 per sandbox (memory, cpu, pids) that every exec joins before
 tells OOM kills and pids-limit hits apart; rlimits through `prlimit` where cgroups are not writable.
 
 Without bwrap, commands run as plain subprocesses in the sandbox's temp dirs: no isolation at all, and
-the backend says so (a warning at every creation, isolation "none" in check() and info).
+the backend says so (a warning at every creation, isolation "none" in check() and info). Paths inside are
+then those host dirs: `workdir`, HOME and `tmpdir` (TMPDIR), never the host's own /tmp.
 """
 
 from __future__ import annotations
@@ -518,14 +519,20 @@ class LocalSandbox:
     @property
     def _roots(self) -> dict[str, Path]:
         """Inside path -> host dir, for the dirs that files can be put into and read from."""
-        work, home, tmp = self._host("work"), self._host("home"), self._host("tmp")
-        if self._isolated:
-            return {INSIDE_WORKDIR: work, INSIDE_HOME: home, "/tmp": tmp}
-        return {str(work): work, str(home): home, str(tmp): tmp}
+        host = self._host
+        return {self.workdir: host("work"), self._home: host("home"), self.tmpdir: host("tmp")}
 
     @property
     def workdir(self) -> str:
         return INSIDE_WORKDIR if self._isolated else str(self._host("work"))
+
+    @property
+    def tmpdir(self) -> str:
+        return "/tmp" if self._isolated else str(self._host("tmp"))
+
+    @property
+    def _home(self) -> str:
+        return INSIDE_HOME if self._isolated else str(self._host("home"))
 
     @property
     def _gateway_port(self) -> int:
@@ -562,12 +569,14 @@ class LocalSandbox:
         )
 
     def _resolve(self, path: str) -> tuple[Path, PurePosixPath]:
-        """(host dir, relative path) for a path inside, which must lie in the work dir, HOME or /tmp."""
+        """(host dir, relative path) for a path inside, which must lie in the work dir, HOME or the
+        temp dir (/tmp, or its host dir without isolation: see `tmpdir`)."""
         full = posixpath.normpath(posixpath.join(self.workdir, path))
         for inside, host in self._roots.items():
             if full == inside or full.startswith(inside + "/"):
                 return host, PurePosixPath(full[len(inside) :].lstrip("/"))
-        raise ValueError(f"{path!r} is outside the sandbox's work dir, HOME and /tmp")
+        roots = ", ".join(self._roots)
+        raise ValueError(f"{path!r} is outside the sandbox's work dir, HOME and temp dir ({roots})")
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -661,11 +670,9 @@ class LocalSandbox:
     # -- exec ------------------------------------------------------------------------------------
 
     def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
-        home = INSIDE_HOME if self._isolated else str(self._host("home"))
-        tmp = "/tmp" if self._isolated else str(self._host("tmp"))
         # Never the runner's own environment: it holds the runner's secrets.
-        env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": "sandbox", "LOGNAME": "sandbox"}
-        env |= {"LANG": "C.UTF-8", "TMPDIR": tmp, **self.spec.env, **(extra or {})}
+        env = {"PATH": DEFAULT_PATH, "HOME": self._home, "USER": "sandbox", "LOGNAME": "sandbox"}
+        env |= {"LANG": "C.UTF-8", "TMPDIR": self.tmpdir, **self.spec.env, **(extra or {})}
         if self._bridged and self._gateway is not None:
             outside = f"{self._gateway.scheme}://{self._gateway.netloc}"
             inside = f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}"
