@@ -34,6 +34,9 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     # The oracle teacher solves every task it is given; SFT trains on all of them and learns.
     assert report["sft"]["samples"] == 4
     assert report["sft"]["loss_after"] < report["sft"]["loss_before"]
+    # The evaluated held-out tasks' oracle trajectories are measured during SFT, never trained on.
+    assert report["sft"]["val_samples"] == 2
+    assert report["sft"]["val_loss_after"] < report["sft"]["val_loss_before"]
 
     # Three evaluations on held-out tasks only, each with n runs per task and an interval.
     assert list(report["evaluations"]) == ["before", "sft", "rl"]
@@ -56,6 +59,7 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         "| after SFT |",
         "| after RL (GRPO) |",
         "![reward curve](reward_curve.png)",
+        "held-out teacher trajectories (never trained on) ",
     ):
         assert row in md
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -329,18 +329,60 @@ def test_chat_sample_masks_assistant_turns_only(tiny_model_dir: Path) -> None:
 
 
 def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
-    samples = oracle_samples(tiny_model_dir, tmp_path / "teacher", limit=2, concurrency=2, progress=False)
-    assert len(samples) == 2  # one merged sequence per solved task
-    trainer = SFTTrainer(tiny_model_dir, SFTConfig(lr=3e-3, epochs=4, batch_size=2))
+    samples = oracle_samples(tiny_model_dir, tmp_path / "teacher", limit=3, concurrency=2, progress=False)
+    assert len(samples) == 3  # one merged sequence per solved task
+    train, val = samples[:2], samples[2:]
+    trainer = SFTTrainer(tiny_model_dir, SFTConfig(lr=3e-3, epochs=4, batch_size=2, eval_every=2))
     tool_calls = trainer.policy.tokenizer.decode(
         [i for i, m in zip(samples[0].input_ids, samples[0].loss_mask, strict=True) if m]
     )
     assert tool_calls.count("<tool_call>") >= 3 and '"name": "submit"' in tool_calls
-    summary = trainer.fit(samples, tmp_path / "student", progress=False)
+    summary = trainer.fit(train, tmp_path / "student", val=val, progress=False)
     assert summary["loss_after"] < summary["loss_before"] - 0.5
+    # The task never trained on shares the format: its loss falls too, and is logged every 2 steps.
+    assert summary["val_samples"] == 1
+    assert summary["val_loss_after"] < summary["val_loss_before"] - 0.5
     lines = [json.loads(x) for x in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [x["step"] for x in lines if "val_loss" in x] == [2, 4]
+    assert lines[-1]["val_loss"] == pytest.approx(summary["val_loss_after"])
     assert (tmp_path / "student" / "model.safetensors").is_file()
+
+
+def test_cli_sft_logs_the_validation_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import re
+
+    from click.testing import CliRunner
+
+    from openforgerl.cli import main
+
+    def chats(path: Path, words: list[str]) -> Path:
+        rows = [
+            {"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": w}]}
+            for w in words
+        ]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    train = chats(tmp_path / "train.jsonl", ["cat", "dog", "sun", "map"])
+    val = chats(tmp_path / "val.jsonl", ["cup", "pen"])
+    out = tmp_path / "student"
+    args = ["sft", "--data", str(train), "--val-data", str(val), "--eval-every", "1"]
+    args += ["--model", str(tiny_model_dir), "--out", str(out), "--epochs", "3", "--lr", "3e-3"]
+    args += ["--batch-size", "2", "--device", "cpu"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    printed = re.search(r"6 steps on 4 samples: .* val loss ([\d.]+) -> ([\d.]+)", result.output)
+    assert printed, result.output
+    assert float(printed[2]) < float(printed[1])
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [round(x["val_loss"], 3) for x in lines][-1] == float(printed[2])
+    assert len([x for x in lines if "val_loss" in x]) == 6
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    result = CliRunner().invoke(main, [*args[:4], str(bad), *args[5:]])  # the bad file as --val-data
+    assert result.exit_code != 0 and "differ in length" in result.output
 
 
 def test_sft_warmup_then_cosine_schedule(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -790,6 +790,13 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
     help="Learning-rate decay after the warm-up.",
 )
 @click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear warm-up steps.")
+@click.option(
+    "--val-data",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSONL like --data, never trained on: its loss is logged (val_loss) and summarised.",
+)
+@click.option("--eval-every", type=int, default=0, show_default=True, help="Steps between val losses.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 def sft_cmd(
@@ -799,10 +806,12 @@ def sft_cmd(
     limit: int | None,
     model_dir: str,
     out: str,
+    val_data: str | None,
     **kw: Any,
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
     from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
+    from openforgerl.trajectory import Sample
 
     if (data is None) == (teacher is None):
         raise click.UsageError("give exactly one of --data FILE.jsonl or --teacher oracle")
@@ -823,11 +832,18 @@ def sft_cmd(
         out_dir.mkdir(parents=True, exist_ok=True)
         write_samples(samples, out_dir / "teacher" / "samples.jsonl")
         click.echo(f"oracle teacher: {len(samples)} trajectories in {out_dir / 'teacher' / 'samples.jsonl'}")
-    summary = trainer.fit(samples, out_dir)
-    click.echo(
-        f"{summary['steps']} steps on {summary['samples']} samples: loss {summary['loss_before']:.3f} -> "
-        f"{summary['loss_after']:.3f}; model in {summary['model']}"
-    )
+    val: list[Sample] = []
+    if val_data is not None:
+        try:
+            val = list(load_sft_data(val_data, model_dir))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+    summary = trainer.fit(samples, out_dir, val=val)
+    line = f"{summary['steps']} steps on {summary['samples']} samples: loss {summary['loss_before']:.3f} -> "
+    line += f"{summary['loss_after']:.3f}"
+    if val:
+        line += f", val loss {summary['val_loss_before']:.3f} -> {summary['val_loss_after']:.3f}"
+    click.echo(f"{line}; model in {summary['model']}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ the recording gateway, the verifier, the embedded trainer with veRL's algorithm 
 
 1. model    a tiny Qwen2 model made locally (random weights, its own BPE tokenizer)
 2. teacher  the ORACLE teacher (rule-based, named so: `rl.oracle_teacher`) plays train tasks through
-            the harness; the gateway records its turns in the student's chat template
+            the harness; the gateway records its turns in the student's chat template. It also
+            plays the evaluated held-out tasks, whose trajectories are only measured (SFT's
+            validation loss), never trained or selected on
 3. eval     held-out pass@1 and pass^k of the untrained model
-4. sft      warm start on the teacher's trajectories (loss on the teacher's tokens only)
+4. sft      warm start on the teacher's trajectories (loss on the teacher's tokens only), with the
+            held-out trajectories' loss logged every `sft_eval_every` steps
 5. eval     held-out, after SFT
 6. rl       GRPO on train tasks (`openforge train`: G rollouts per task, weights pushed in place)
 7. eval     held-out, after RL
@@ -52,6 +55,7 @@ class DemoConfig:
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
+    sft_eval_every: int = 100  # steps between validation losses on the held-out trajectories
     rl_steps: int = 10
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
@@ -125,6 +129,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     seconds: dict[str, float] = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     model_dir, sft_dir, rl_dir = out / "model", out / "sft", out / "rl"
     teacher_file = out / "teacher" / "samples.jsonl"
+    val_file = out / "teacher" / "heldout.jsonl"
 
     def save_timings() -> None:
         timings_path.write_text(json.dumps(seconds, indent=2))
@@ -146,8 +151,19 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             concurrency=cfg.concurrency,
             progress=cfg.progress,
         )
-        write_samples(samples, teacher_file)
-        print(f"  the oracle teacher solved {len(samples)} tasks", flush=True)
+        val = oracle_samples(
+            model_dir,
+            out / "teacher" / "heldout",
+            tasks=SUITE,
+            split="heldout",
+            limit=cfg.eval_tasks,
+            max_turns=cfg.max_turns,
+            concurrency=cfg.concurrency,
+            progress=False,
+        )
+        write_samples(val, val_file)
+        write_samples(samples, teacher_file)  # last: its presence marks the phase done
+        print(f"  the oracle teacher solved {len(samples)} train and {len(val)} held-out tasks", flush=True)
 
     _phase("teacher", teacher_file.exists(), seconds, teacher)
     save_timings()
@@ -174,10 +190,13 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
                 seed=cfg.seed,
                 schedule="cosine",
                 warmup_steps=cfg.sft_warmup,
+                eval_every=cfg.sft_eval_every,
             ),
         )
         samples = load_sft_data(teacher_file, trainer.policy.tokenizer)
-        summary = trainer.fit(samples, sft_dir, progress=cfg.progress)
+        # A run folder from before validation existed has no held-out file: SFT runs without it.
+        val = load_sft_data(val_file, trainer.policy.tokenizer) if val_file.exists() else []
+        summary = trainer.fit(samples, sft_dir, val=val, progress=cfg.progress)
         sft_summary_file.write_text(json.dumps(summary, indent=2))
 
     _phase("sft", sft_summary_file.exists(), seconds, sft)
@@ -311,6 +330,11 @@ def _fmt(iv: dict[str, float] | None) -> str:
     return f"{iv['estimate']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
 
 
+def _loss(sft: dict[str, Any], key: str) -> str:
+    before, after = sft.get(f"{key}_before"), sft.get(f"{key}_after")
+    return "n/a" if before is None or after is None else f"{before:.3f} -> {after:.3f}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     n = cfg["eval_n"]
@@ -354,7 +378,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     tps = report["trainer_tokens_per_s"]
     lines += [
         "",
-        f"SFT loss {report['sft']['loss_before']:.3f} -> {report['sft']['loss_after']:.3f}; "
+        f"SFT loss per teacher token {_loss(report['sft'], 'loss')}, held-out teacher trajectories "
+        f"(never trained on) {_loss(report['sft'], 'val_loss')}; "
         f"trainer throughput (median tokens/s): SFT {tps['sft_median']}, RL {tps['rl_median']}.",
         "",
         "| phase | seconds |",

@@ -48,6 +48,8 @@ class SFTConfig:
     # warm-up to learn attention across a long harness prompt at a useful peak rate.
     schedule: str = "constant"
     warmup_steps: int = 0
+    # Validation (fit's `val` samples): their loss every `eval_every` steps (0: before and after only).
+    eval_every: int = 0
 
 
 def _sample(
@@ -359,9 +361,17 @@ class SFTTrainer:
             "time/train": seconds,
         }
 
-    def fit(self, samples: Sequence[Sample], out: Path, *, progress: bool = True) -> dict[str, Any]:
+    def fit(
+        self,
+        samples: Sequence[Sample],
+        out: Path,
+        *,
+        val: Sequence[Sample] = (),
+        progress: bool = True,
+    ) -> dict[str, Any]:
         """`epochs` passes over `samples` in shuffled batches; logs to out/metrics.jsonl, saves the
-        model and tokenizer (HF format) to `out`."""
+        model and tokenizer (HF format) to `out`. `val`: samples never trained on, whose loss is
+        logged as `val_loss` every `eval_every` steps and in the summary (measured, never selected on)."""
         if not samples:
             raise ValueError("no SFT samples with a loss token")
         out.mkdir(parents=True, exist_ok=True)
@@ -369,6 +379,7 @@ class SFTTrainer:
         rng = random.Random(self.cfg.seed)
         size = max(1, self.cfg.batch_size)
         first = self.loss(samples)
+        val_first = self.loss(val) if val else None
         t0 = time.monotonic()
         try:
             steps = self.cfg.epochs * -(-len(samples) // size)
@@ -378,8 +389,10 @@ class SFTTrainer:
                 order = list(samples)
                 rng.shuffle(order)
                 for i in range(0, len(order), size):
-                    metrics = self.train_step(order[i : i + size])
-                    log.write(self.step, {"epoch": epoch, **metrics})
+                    metrics: dict[str, Any] = {"epoch": epoch, **self.train_step(order[i : i + size])}
+                    if val and self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                        metrics["val_loss"] = self.loss(val)
+                    log.write(self.step, metrics)
                     bar.update(1)
                     bar.set_postfix_str(f"loss {metrics['loss']:.3f}")
             bar.close()
@@ -393,6 +406,9 @@ class SFTTrainer:
             "steps": self.step,
             "loss_before": first,
             "loss_after": last,
+            "val_samples": len(val),
+            "val_loss_before": val_first,
+            "val_loss_after": self.loss(val) if val else None,
             "seconds": round(time.monotonic() - t0, 1),
             "model": str(out),
         }
