@@ -45,6 +45,8 @@ from openforgerl.rl.trainer import (
     micro_batches,
     select_groups,
 )
+from openforgerl.tasks import load_tasks
+from openforgerl.tasks.suites.tools_tiny import oracle
 from openforgerl.trajectory import NO_VERSION, Sample
 
 LOG_1_5, LOG_0_5, LOG_1_1 = math.log(1.5), math.log(0.5), math.log(1.1)
@@ -337,6 +339,16 @@ def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_model_dir: Path, tmp_pa
         [i for i, m in zip(samples[0].input_ids, samples[0].loss_mask, strict=True) if m]
     )
     assert tool_calls.count("<tool_call>") >= 3 and '"name": "submit"' in tool_calls
+    # The teacher shows its work: a note of each value it read, the computation before the write.
+    taught = [
+        trainer.policy.tokenizer.decode([i for i, m in zip(x.input_ids, x.loss_mask, strict=True) if m])
+        for x in samples
+    ]
+    for task in load_tasks("tools-tiny", split="train")[:3]:
+        assert isinstance(task.files, dict)
+        first = task.metadata["inputs"][0]
+        note = f'{first} holds "{task.files[first].strip()}".'
+        assert any(note in t and f"{oracle(task).working}.\n<tool_call>" in t for t in taught), note
     summary = trainer.fit(train, tmp_path / "student", val=val, progress=False)
     assert summary["loss_after"] < summary["loss_before"] - 0.5
     # The task never trained on shares the format: its loss falls too, and is logged every 2 steps.

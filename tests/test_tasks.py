@@ -258,6 +258,10 @@ def test_the_oracle_solves_every_tools_tiny_task(tmp_path: Path) -> None:
         solution = tools_tiny.oracle(task)
         assert len(solution.calls) == len(task.metadata["inputs"]) + 1 >= 2
         assert solution.final_answer == task.verifier.kwargs["expected"]  # type: ignore[union-attr]
+        # The written-out computation starts from the files' values and ends in the answer.
+        values = [task.files[n].strip() for n in task.metadata["inputs"]]  # type: ignore[index]
+        assert solution.working.rstrip('"').endswith(solution.final_answer)
+        assert solution.working.removeprefix("max(").replace('"', "").split()[0].rstrip(",") == values[0]
         work = tmp_path / str(i)
         prepare_local(task, work)
         assert verify_local(task, work).reward == 0.0

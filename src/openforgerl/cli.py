@@ -776,6 +776,12 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
 )
 @click.option("--tasks", default="tools-tiny", show_default=True, help="The teacher's tasks (train split).")
 @click.option("--limit", type=int, default=None, help="Only the first N tasks (with --teacher).")
+@click.option(
+    "--show-work/--no-show-work",
+    default=True,
+    show_default=True,
+    help="With --teacher: it notes the values it reads and writes out its computation.",
+)
 @click.option("--model", "model_dir", required=True, help="The student model dir (HF format).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the trained model goes.")
 @click.option("--epochs", type=int, default=3, show_default=True)
@@ -807,6 +813,7 @@ def sft_cmd(
     model_dir: str,
     out: str,
     val_data: str | None,
+    show_work: bool,
     **kw: Any,
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
@@ -828,7 +835,9 @@ def sft_cmd(
         if tasks != "tools-tiny":
             raise click.BadParameter("the oracle teacher knows tools-tiny only", param_hint="--tasks")
         trainer = SFTTrainer(model_dir, SFTConfig(**kw))
-        samples = oracle_samples(model_dir, out_dir / "teacher", tasks=tasks, limit=limit)
+        samples = oracle_samples(
+            model_dir, out_dir / "teacher", tasks=tasks, limit=limit, show_work=show_work
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
         write_samples(samples, out_dir / "teacher" / "samples.jsonl")
         click.echo(f"oracle teacher: {len(samples)} trajectories in {out_dir / 'teacher' / 'samples.jsonl'}")

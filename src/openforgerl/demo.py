@@ -47,11 +47,13 @@ class DemoConfig:
     seed: int = 0
     size: Literal["tiny", "small"] = "tiny"
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
-    # ~800 steps of 16 (687 s in all on 2 cores, with the shared harness prompt run once per
-    # micro-batch). A from-scratch 2M model learns to copy file names from the instruction in a
-    # sudden jump whose timing varies from run to run, and it underfits the values it must carry
-    # from the tool responses (train and held-out accuracy alike): see issue #5's notes.
-    sft_epochs: int = 32
+    # The teacher notes each value it reads ('a.txt holds "6".') and writes out its computation
+    # ("6 + 7 = 13.") before the write: the student then copies values next to where it read them,
+    # and what is left to learn is the arithmetic (held-out pass@1 after SFT 0.13 without, 0.41 with).
+    teacher_shows_work: bool = True
+    # 400 steps of 16 (about 340 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
+    # copies every value by step 200; the held-out teacher trajectories' loss is 0.02 at step 400.
+    sft_epochs: int = 16
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
@@ -150,6 +152,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             max_turns=cfg.max_turns,
             concurrency=cfg.concurrency,
             progress=cfg.progress,
+            show_work=cfg.teacher_shows_work,
         )
         val = oracle_samples(
             model_dir,
@@ -160,6 +163,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             max_turns=cfg.max_turns,
             concurrency=cfg.concurrency,
             progress=False,
+            show_work=cfg.teacher_shows_work,
         )
         write_samples(val, val_file)
         write_samples(samples, teacher_file)  # last: its presence marks the phase done

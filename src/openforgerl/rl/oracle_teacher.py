@@ -33,13 +33,14 @@ class OracleTeacherEngine:
 
     name = "oracle-teacher"
 
-    def __init__(self, model_dir: str | Path, tasks: Sequence[Task]) -> None:
+    def __init__(self, model_dir: str | Path, tasks: Sequence[Task], *, show_work: bool = False) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
         self.end_id = self.tokenizer.eos_token_id
         self.max_context = int(self.tokenizer.model_max_length)
         self.tasks = list(tasks)
+        self.show_work = show_work
 
     @property
     def policy_version(self) -> int:
@@ -70,15 +71,27 @@ class OracleTeacherEngine:
         calls = oracle(candidates[0]).calls
         # The reads are the same for every candidate (same files, same order): no need to choose yet.
         if len(seen) < len(calls) - 1:
-            return calls[len(seen)].text()
+            return self._noted(candidates[0], seen, calls[len(seen)].text())
         task = next((t for t in candidates if self._matches(t, seen)), None)
         if task is None:
             raise EngineError("no task's files match the tool responses in the prompt")
         solution = oracle(task)
         if len(seen) < len(solution.calls):
-            return solution.calls[len(seen)].text()
+            return self._noted(task, seen, solution.calls[len(seen)].text(), solution.working)
         submit = json.dumps({"name": "submit", "arguments": {"answer": solution.final_answer}})
         return f"<tool_call>\n{submit}\n</tool_call>"
+
+    def _noted(self, task: Task, seen: list[str], call: str, working: str = "") -> str:
+        """With `show_work`, a call that follows a tool response opens with a note of what it said
+        ('a.txt holds "6".'), and the write with the computation ("6 + 7 = 13."), as a teacher that
+        shows its work does: the student then copies each value next to where it was read."""
+        if not self.show_work or not seen:
+            return call
+        names: list[str] = task.metadata["inputs"]
+        note = f'{names[len(seen) - 1]} holds "{seen[-1]}".'
+        if working:
+            note += f" {working}."
+        return f"{note}\n{call}"
 
     @staticmethod
     def _matches(task: Task, seen: list[str]) -> bool:

@@ -250,10 +250,12 @@ def oracle_samples(
     max_turns: int = 8,
     concurrency: int = 8,
     progress: bool = True,
+    show_work: bool = True,
 ) -> list[Sample]:
     """Teacher trajectories from the ORACLE teacher (tools-tiny): each task run once through the ReAct
     harness with the oracle engine behind the gateway; the rollouts it solved, as merged samples in
-    the student's chat template (the gateway renders with `model_dir`'s tokenizer)."""
+    the student's chat template (the gateway renders with `model_dir`'s tokenizer). `show_work`: the
+    teacher notes each value it read and writes out the computation before its calls."""
     from openforgerl.evaluate import EvalOptions, run_rollouts
     from openforgerl.rl.oracle_teacher import OracleTeacherEngine
     from openforgerl.runner import Status
@@ -270,7 +272,7 @@ def oracle_samples(
         max_turns=max_turns,
         progress=progress,
     )
-    results, recorded = run_rollouts(opts, OracleTeacherEngine(model_dir, chosen))
+    results, recorded = run_rollouts(opts, OracleTeacherEngine(model_dir, chosen, show_work=show_work))
     samples = []
     for r in results:
         if r.status == Status.DONE and passed(r.reward or 0.0) and r.gateway_rollout_id in recorded:

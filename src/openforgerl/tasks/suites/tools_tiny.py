@@ -42,6 +42,9 @@ class _Family:
     instruction: str  # {f0}, {f1}, {f2}: the input file names
     draw: Callable[[random.Random], list[Any]]  # one value per input file
     answer: Callable[[list[str]], str]  # from the files' stripped contents
+    # The computation written out ({0}, {1}, {2} the values, {r} the answer). Words are quoted: a
+    # word after '"' has the same token ids as in a tool response and in the written JSON.
+    working: str
 
 
 _FAMILIES = (
@@ -50,28 +53,46 @@ _FAMILIES = (
         "Read {f0} and {f1}. Write their sum to answer.txt.",
         _numbers(2, 0, 9),
         lambda v: str(int(v[0]) + int(v[1])),
+        "{0} + {1} = {r}",
     ),
     _Family(
         "sub",
         "Read {f0} and {f1}. Write the first minus the second to answer.txt.",
         lambda rng: sorted(_numbers(2, 0, 9)(rng), reverse=True),
         lambda v: str(int(v[0]) - int(v[1])),
+        "{0} - {1} = {r}",
     ),
     _Family(
         "mul",
         "Read {f0} and {f1}. Write their product to answer.txt.",
         _numbers(2, 1, 5),
         lambda v: str(int(v[0]) * int(v[1])),
+        "{0} * {1} = {r}",
     ),
     _Family(
         "max",
         "Read {f0}, {f1} and {f2}. Write the largest number to answer.txt.",
         _numbers(3, 0, 9),
         lambda v: str(max(int(x) for x in v)),
+        "max({0}, {1}, {2}) = {r}",
     ),
-    _Family("copy", "Read {f0}. Write the same word to answer.txt.", _word, lambda v: v[0]),
-    _Family("upper", "Read {f0}. Write the word in capitals to answer.txt.", _word, lambda v: v[0].upper()),
-    _Family("reverse", "Read {f0}. Write the word backwards to answer.txt.", _word, lambda v: v[0][::-1]),
+    _Family(
+        "copy", "Read {f0}. Write the same word to answer.txt.", _word, lambda v: v[0], '"{0}" stays "{r}"'
+    ),
+    _Family(
+        "upper",
+        "Read {f0}. Write the word in capitals to answer.txt.",
+        _word,
+        lambda v: v[0].upper(),
+        '"{0}" in capitals is "{r}"',
+    ),
+    _Family(
+        "reverse",
+        "Read {f0}. Write the word backwards to answer.txt.",
+        _word,
+        lambda v: v[0][::-1],
+        '"{0}" backwards is "{r}"',
+    ),
 )
 FAMILIES: dict[str, _Family] = {f.name: f for f in _FAMILIES}
 
@@ -137,6 +158,7 @@ class OracleCall:
 class OracleSolution:
     calls: tuple[OracleCall, ...]
     final_answer: str
+    working: str  # the computation written out, e.g. "6 + 7 = 13"
 
 
 def oracle(task: Task) -> OracleSolution:
@@ -148,7 +170,8 @@ def oracle(task: Task) -> OracleSolution:
     family = FAMILIES[task.metadata["family"]]
     names: list[str] = task.metadata["inputs"]
     assert isinstance(task.files, dict), "tools-tiny tasks carry their files inline"
-    answer = family.answer([task.files[n].strip() for n in names])
+    values = [task.files[n].strip() for n in names]
+    answer = family.answer(values)
     reads = [OracleCall("read_file", {"path": n}) for n in names]
     write = OracleCall("write_file", {"path": ANSWER_FILE, "content": answer})
-    return OracleSolution((*reads, write), answer)
+    return OracleSolution((*reads, write), answer, family.working.format(*values, r=answer))
