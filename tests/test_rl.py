@@ -243,7 +243,9 @@ def test_a_shared_system_prompt_runs_once_with_the_same_logprobs_and_gradients(t
         results.append((lp.detach(), torch.cat(grads)))
     (lp_shared, g_shared), (lp_whole, g_whole) = results
     assert torch.allclose(lp_shared, lp_whole, atol=1e-5)
-    assert torch.allclose(g_shared, g_whole, rtol=1e-4, atol=1e-6)
+    # Equal up to float32 rounding: summation order differs (largest gradients here are about 10).
+    assert float((g_shared - g_whole).norm()) <= 1e-5 * float(g_whole.norm())
+    assert torch.allclose(g_shared, g_whole, rtol=1e-4, atol=1e-4)
     # Nothing shared from the first token: every row runs whole.
     other = row("a.txt", {"role": "system", "content": "Be brief. " * 12})
     assert policy.collate([samples[0], other]).shared == 0
