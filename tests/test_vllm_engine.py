@@ -750,6 +750,8 @@ def test_reload_during_generation_is_flagged(vllm_server: Server, prompt: list[i
 
     r, version = run_engine(vllm_server.url, go, extra_body={"ignore_eos": True}, policy_version=10)
     assert version == 11
+    # 11 whether the reload finished before the generation did or was still in flight (on a busy
+    # machine it can take longer than the 1,500 tokens): either way the weights may have changed.
     assert (r.policy_version, r.extra.get("policy_version_end")) == (10, 11)
     assert len(r.completion_ids) == 1500
 

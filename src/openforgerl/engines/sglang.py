@@ -256,7 +256,8 @@ class SGLangEngine:
         result = parse_generate_response(r.content, version)
         if reloading or self._reloading or version != self._version:
             # Weights changed while this was generating: its tokens may come from two versions.
-            result.extra["policy_version_end"] = self._version
+            # An update still in flight may already have swapped the weights: count the version it makes.
+            result.extra["policy_version_end"] = self._version + (1 if self._reloading else 0)
         return result
 
     async def _post_generate(self, body: dict[str, Any]) -> httpx.Response:

@@ -323,7 +323,8 @@ class VLLMEngine:
             extra["vllm_finish_reason"] = raw_finish
         if reloading or self._reloading or version != self._version:
             # Weights changed while this was generating: its tokens may come from two versions.
-            extra["policy_version_end"] = self._version
+            # An update still in flight may already have swapped the weights: count the version it makes.
+            extra["policy_version_end"] = self._version + (1 if self._reloading else 0)
         return GenerateResult(
             completion_ids=ids,
             logprobs=[float(lp) for lp in logprobs if lp is not None],
