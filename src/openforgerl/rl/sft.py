@@ -381,7 +381,8 @@ class SFTTrainer:
         rng = random.Random(self.cfg.seed)
         size = max(1, self.cfg.batch_size)
         first = self.loss(samples)
-        val_first = self.loss(val) if val else None
+        val_first = val_last = self.loss(val) if val else None
+        val_at = 0  # the step val_last was measured at
         t0 = time.monotonic()
         try:
             steps = self.cfg.epochs * -(-len(samples) // size)
@@ -393,7 +394,8 @@ class SFTTrainer:
                 for i in range(0, len(order), size):
                     metrics: dict[str, Any] = {"epoch": epoch, **self.train_step(order[i : i + size])}
                     if val and self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
-                        metrics["val_loss"] = self.loss(val)
+                        metrics["val_loss"] = val_last = self.loss(val)
+                        val_at = self.step
                     log.write(self.step, metrics)
                     bar.update(1)
                     bar.set_postfix_str(f"loss {metrics['loss']:.3f}")
@@ -410,7 +412,8 @@ class SFTTrainer:
             "loss_after": last,
             "val_samples": len(val),
             "val_loss_before": val_first,
-            "val_loss_after": self.loss(val) if val else None,
+            # Measured once: the last step's logged value when there is one.
+            "val_loss_after": val_last if val_at == self.step else (self.loss(val) if val else None),
             "seconds": round(time.monotonic() - t0, 1),
             "model": str(out),
         }
