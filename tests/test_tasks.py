@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -273,6 +274,22 @@ def test_the_oracle_solves_every_tools_tiny_task(tmp_path: Path) -> None:
                 (work / call.arguments["path"]).write_text(call.arguments["content"])
         assert verify_local(task, work).reward == 1.0
 
+
+def test_sums_and_differences_are_worked_out_one_step_at_a_time() -> None:
+    """Every step of an add/sub working is one more and one less (or both one less) than the
+    step before, and true: a student that learns the step can work out pairs it never saw."""
+    tasks = tools_tiny.generate(seed=5, n_train=70, n_heldout=0)
+    counted = [t for t in tasks if t.metadata["family"] in ("add", "sub")]
+    assert len(counted) >= 15
+    for task in counted:
+        sign = "+" if task.metadata["family"] == "add" else "-"
+        *steps, answer = tools_tiny.oracle(task).working.split(" = ")
+        pairs = [tuple(int(x) for x in step.split(f" {sign} ")) for step in steps]
+        values = tuple(int(task.files[n]) for n in task.metadata["inputs"])  # type: ignore[index]
+        assert pairs[0] == values and pairs[-1][1] == 0 and str(pairs[-1][0]) == answer
+        for (a, b), (a2, b2) in itertools.pairwise(pairs):
+            assert (a2, b2) == ((a + 1 if sign == "+" else a - 1), b - 1)
+        assert all((a + b if sign == "+" else a - b) == int(answer) for a, b in pairs)
 
 def test_oracle_call_text_is_the_chat_template_format() -> None:
     task = load_tasks("tools-tiny")[0]

@@ -48,8 +48,9 @@ class DemoConfig:
     size: Literal["tiny", "small"] = "tiny"
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
     # The teacher notes each value it reads ('a.txt holds "6".') and writes out its computation
-    # ("6 + 7 = 13.") before the write: the student then copies values next to where it read them,
-    # and what is left to learn is the arithmetic (held-out pass@1 after SFT 0.13 without, 0.41 with).
+    # before the write, sums and differences in steps of one ("6 + 2 = 7 + 1 = 8 + 0 = 8."): the
+    # student copies values next to where it read them and can work out sums it never saw (held-out
+    # pass@1 after SFT 0.13 without shown work, 0.33 with one-step sums, 0.53 with counted ones).
     teacher_shows_work: bool = True
     # 400 steps of 16 (about 340 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
     # copies every value by step 200; the held-out teacher trajectories' loss is 0.02 at step 400.
@@ -65,11 +66,11 @@ class DemoConfig:
     # backwards went from all right to half); at 5e-5 they kept 0.43.
     rl_lr: float = 5e-5
     eval_tasks: int | None = None  # held-out tasks evaluated (None: all 50)
-    eval_n: int = 2  # sampled runs per task
+    eval_n: int = 4  # sampled runs per task (at 2, one model's pass@1 ranged 0.24-0.37 over reruns)
     # Sampling temperature of the RL rollouts and of every evaluation (the trainer computes its
     # logprobs at the same temperature, as the importance weights require).
     temperature: float = 0.7
-    max_tokens: int = 96
+    max_tokens: int = 128  # per model call: the longest turn (the counted 9 + 9, then the write) takes 110
     max_turns: int = 6
     concurrency: int = 8
     overlap: bool = False  # RL: rollouts of step t+1 run while step t trains (policy lag <= 1)

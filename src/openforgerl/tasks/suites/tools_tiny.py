@@ -42,9 +42,32 @@ class _Family:
     instruction: str  # {f0}, {f1}, {f2}: the input file names
     draw: Callable[[random.Random], list[Any]]  # one value per input file
     answer: Callable[[list[str]], str]  # from the files' stripped contents
-    # The computation written out ({0}, {1}, {2} the values, {r} the answer). Words are quoted: a
-    # word after '"' has the same token ids as in a tool response and in the written JSON.
-    working: str
+    # The computation written out, from the values and the answer. Words are quoted: a word after
+    # '"' has the same token ids as in a tool response and in the written JSON.
+    working: Callable[[list[str], str], str]
+
+
+def _shown(template: str) -> Callable[[list[str], str], str]:
+    """A one-step working: `template` with {0}, {1}, {2} the values and {r} the answer."""
+    return lambda v, r: template.format(*v, r=r)
+
+
+def _counted(op: str) -> Callable[[list[str], str], str]:
+    """Sums and differences in steps of one: 9 + 3 = 10 + 2 = 11 + 1 = 12 + 0 = 12.
+
+    Each step needs only "one more" and "one less" of the step before, which every trajectory
+    repeats: a small model can carry that to pairs it never saw, where a table of 100 sums it
+    cannot (one-step workings left held-out sums at 0.2 after SFT, seen pair or not)."""
+
+    def working(v: list[str], r: str) -> str:
+        a, b = int(v[0]), int(v[1])
+        steps = [f"{a} {op} {b}"]
+        while b > 0:
+            a, b = (a + 1 if op == "+" else a - 1), b - 1
+            steps.append(f"{a} {op} {b}")
+        return " = ".join([*steps, r])
+
+    return working
 
 
 _FAMILIES = (
@@ -53,45 +76,45 @@ _FAMILIES = (
         "Read {f0} and {f1}. Write their sum to answer.txt.",
         _numbers(2, 0, 9),
         lambda v: str(int(v[0]) + int(v[1])),
-        "{0} + {1} = {r}",
+        _counted("+"),
     ),
     _Family(
         "sub",
         "Read {f0} and {f1}. Write the first minus the second to answer.txt.",
         lambda rng: sorted(_numbers(2, 0, 9)(rng), reverse=True),
         lambda v: str(int(v[0]) - int(v[1])),
-        "{0} - {1} = {r}",
+        _counted("-"),
     ),
     _Family(
         "mul",
         "Read {f0} and {f1}. Write their product to answer.txt.",
         _numbers(2, 1, 5),
         lambda v: str(int(v[0]) * int(v[1])),
-        "{0} * {1} = {r}",
+        _shown("{0} * {1} = {r}"),
     ),
     _Family(
         "max",
         "Read {f0}, {f1} and {f2}. Write the largest number to answer.txt.",
         _numbers(3, 0, 9),
         lambda v: str(max(int(x) for x in v)),
-        "max({0}, {1}, {2}) = {r}",
+        _shown("max({0}, {1}, {2}) = {r}"),
     ),
     _Family(
-        "copy", "Read {f0}. Write the same word to answer.txt.", _word, lambda v: v[0], '"{0}" stays "{r}"'
+        "copy", "Read {f0}. Write the same word to answer.txt.", _word, lambda v: v[0], _shown('"{0}" stays "{r}"')
     ),
     _Family(
         "upper",
         "Read {f0}. Write the word in capitals to answer.txt.",
         _word,
         lambda v: v[0].upper(),
-        '"{0}" in capitals is "{r}"',
+        _shown('"{0}" in capitals is "{r}"'),
     ),
     _Family(
         "reverse",
         "Read {f0}. Write the word backwards to answer.txt.",
         _word,
         lambda v: v[0][::-1],
-        '"{0}" backwards is "{r}"',
+        _shown('"{0}" backwards is "{r}"'),
     ),
 )
 FAMILIES: dict[str, _Family] = {f.name: f for f in _FAMILIES}
@@ -158,7 +181,7 @@ class OracleCall:
 class OracleSolution:
     calls: tuple[OracleCall, ...]
     final_answer: str
-    working: str  # the computation written out, e.g. "6 + 7 = 13"
+    working: str  # the computation written out, e.g. "6 + 2 = 7 + 1 = 8 + 0 = 8"
 
 
 def oracle(task: Task) -> OracleSolution:
@@ -174,4 +197,4 @@ def oracle(task: Task) -> OracleSolution:
     answer = family.answer(values)
     reads = [OracleCall("read_file", {"path": n}) for n in names]
     write = OracleCall("write_file", {"path": ANSWER_FILE, "content": answer})
-    return OracleSolution((*reads, write), answer, family.working.format(*values, r=answer))
+    return OracleSolution((*reads, write), answer, family.working(values, answer))
