@@ -291,6 +291,7 @@ def test_sums_and_differences_are_worked_out_one_step_at_a_time() -> None:
             assert (a2, b2) == ((a + 1 if sign == "+" else a - 1), b - 1)
         assert all((a + b if sign == "+" else a - b) == int(answer) for a, b in pairs)
 
+
 def test_oracle_call_text_is_the_chat_template_format() -> None:
     task = load_tasks("tools-tiny")[0]
     first = tools_tiny.oracle(task).calls[0]

@@ -100,7 +100,11 @@ _FAMILIES = (
         _shown("max({0}, {1}, {2}) = {r}"),
     ),
     _Family(
-        "copy", "Read {f0}. Write the same word to answer.txt.", _word, lambda v: v[0], _shown('"{0}" stays "{r}"')
+        "copy",
+        "Read {f0}. Write the same word to answer.txt.",
+        _word,
+        lambda v: v[0],
+        _shown('"{0}" stays "{r}"'),
     ),
     _Family(
         "upper",
