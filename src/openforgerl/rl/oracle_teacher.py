@@ -83,8 +83,8 @@ class OracleTeacherEngine:
 
     def _noted(self, task: Task, seen: list[str], call: str, working: str = "") -> str:
         """With `show_work`, a call that follows a tool response opens with a note of what it said
-        ('a.txt holds "6".'), and the write with the computation ("6 + 7 = 13."), as a teacher that
-        shows its work does: the student then copies each value next to where it was read."""
+        ('a.txt holds "6".'), and the write with the computation ("6 + 2 = 7 + 1 = 8 + 0 = 8."), as a
+        teacher that shows its work does: the student then copies each value next to where it was read."""
         if not self.show_work or not seen:
             return call
         names: list[str] = task.metadata["inputs"]
