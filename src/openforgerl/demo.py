@@ -49,21 +49,21 @@ class DemoConfig:
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
     # The teacher notes each value it reads ('a.txt holds "6".') and writes out its computation
     # before the write, sums and differences in steps of one ("6 + 2 = 7 + 1 = 8 + 0 = 8."): the
-    # student copies values next to where it read them and can work out sums it never saw (held-out
-    # pass@1 after SFT 0.13 without shown work, 0.33 with one-step sums, 0.53 with counted ones).
+    # student copies values next to where it read them and can work out sums it never saw (seed 2,
+    # held-out pass@1 after SFT: 0.33 with one-step sums "6 + 2 = 8.", 0.53 with counted ones).
     teacher_shows_work: bool = True
-    # 400 steps of 16 (about 340 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
+    # 400 steps of 16 (about 430 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
     # copies every value by step 200; the held-out teacher trajectories' loss is 0.02 at step 400.
     sft_epochs: int = 16
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
     sft_eval_every: int = 100  # steps between validation losses on the held-out trajectories
-    rl_steps: int = 30  # about 20 s each on 2 cores
+    rl_steps: int = 30  # about 22 s each on 2 cores
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
-    # From the SFT model (held-out pass@1 0.41), 20 GRPO steps at 2e-4 fell to 0.27 (words written
-    # backwards went from all right to half); at 5e-5 they kept 0.43.
+    # From the seed-2 SFT model (held-out pass@1 0.53), 30 GRPO steps at 2e-4 fell to 0.24 (the
+    # training pass rate collapsed from 0.5 to 0.1 around step 14); at 5e-5 they reached 0.56.
     rl_lr: float = 5e-5
     eval_tasks: int | None = None  # held-out tasks evaluated (None: all 50)
     eval_n: int = 4  # sampled runs per task (at 2, one model's pass@1 ranged 0.24-0.37 over reruns)
