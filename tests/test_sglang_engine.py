@@ -29,6 +29,7 @@ from openforgerl.engines.base import (
     EngineOverloaded,
     EngineUnavailable,
     SamplingParams,
+    policy_version_end,
 )
 from openforgerl.engines.sglang import SGLangEngine, parse_generate_response
 from openforgerl.testing.fake_sglang import FakeSGLangState, fake_sglang_app
@@ -313,7 +314,18 @@ def test_weight_update() -> None:
     assert (before.completion_ids, before.policy_version) == ([1, 2, 3], 0)
     assert (version, policy_version) == (1, 1)
     assert (after.completion_ids, after.policy_version) == ([7, 8, 9], 1)
+    assert "policy_version_end" not in before.extra | after.extra  # neither overlapped the update
     assert scripted.weights_path == "/ckpt/step-1"
+
+
+def test_the_end_version_of_a_generation_that_overlapped_a_weight_update() -> None:
+    """The rule the vLLM and SGLang engines share (versions and reloads in flight at a
+    generation's start and end): None when nothing changed under it."""
+    assert policy_version_end(3, 0, 3, 0) is None
+    assert policy_version_end(3, 0, 4, 0) == 4  # an update started and finished meanwhile
+    assert policy_version_end(3, 1, 4, 0) == 4  # one in flight at the start finished
+    assert policy_version_end(3, 0, 3, 1) == 4  # one still in flight may have swapped already
+    assert policy_version_end(3, 1, 4, 1) == 5
 
 
 class _FailingLoads(ScriptedEngine):

@@ -44,6 +44,16 @@ class GenerateResult:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+def policy_version_end(start: int, reloads_at_start: int, now: int, reloads_now: int) -> int | None:
+    """For a remote engine that swaps weights while requests run (versions and reloads in flight,
+    at a generation's start and end): the version it ended on when the weights may have changed
+    under it (its tokens may come from two versions), else None. An update still in flight may
+    already have swapped the weights, so it counts as made."""
+    if not (reloads_at_start or reloads_now or start != now):
+        return None
+    return now + 1 if reloads_now else now
+
+
 class EngineError(Exception):
     """The engine failed this request (a bug or a bad request the engine refused)."""
 

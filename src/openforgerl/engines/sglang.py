@@ -57,6 +57,7 @@ from openforgerl.engines.base import (
     FinishReason,
     GenerateResult,
     SamplingParams,
+    policy_version_end,
 )
 from openforgerl.images import Image
 
@@ -254,10 +255,8 @@ class SGLangEngine:
             self.max_context = e.max_context
             r = await self._post_generate(self.request_body(prompt_ids, sampling, images))
         result = parse_generate_response(r.content, version)
-        if reloading or self._reloading or version != self._version:
-            # Weights changed while this was generating: its tokens may come from two versions.
-            # An update still in flight may already have swapped the weights: count the version it makes.
-            result.extra["policy_version_end"] = self._version + (1 if self._reloading else 0)
+        if (end := policy_version_end(version, reloading, self._version, self._reloading)) is not None:
+            result.extra["policy_version_end"] = end
         return result
 
     async def _post_generate(self, body: dict[str, Any]) -> httpx.Response:

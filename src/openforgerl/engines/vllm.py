@@ -62,6 +62,7 @@ from openforgerl.engines.base import (
     FinishReason,
     GenerateResult,
     SamplingParams,
+    policy_version_end,
 )
 from openforgerl.images import Image
 
@@ -321,10 +322,8 @@ class VLLMEngine:
         extra: dict[str, object] = {}
         if raw_finish not in _FINISH:
             extra["vllm_finish_reason"] = raw_finish
-        if reloading or self._reloading or version != self._version:
-            # Weights changed while this was generating: its tokens may come from two versions.
-            # An update still in flight may already have swapped the weights: count the version it makes.
-            extra["policy_version_end"] = self._version + (1 if self._reloading else 0)
+        if (end := policy_version_end(version, reloading, self._version, self._reloading)) is not None:
+            extra["policy_version_end"] = end
         return GenerateResult(
             completion_ids=ids,
             logprobs=[float(lp) for lp in logprobs if lp is not None],

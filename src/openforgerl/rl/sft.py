@@ -382,7 +382,6 @@ class SFTTrainer:
         size = max(1, self.cfg.batch_size)
         first = self.loss(samples)
         val_first = val_last = self.loss(val) if val else None
-        val_at = 0  # the step val_last was measured at
         t0 = time.monotonic()
         try:
             steps = self.cfg.epochs * -(-len(samples) // size)
@@ -395,7 +394,6 @@ class SFTTrainer:
                     metrics: dict[str, Any] = {"epoch": epoch, **self.train_step(order[i : i + size])}
                     if val and self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                         metrics["val_loss"] = val_last = self.loss(val)
-                        val_at = self.step
                     log.write(self.step, metrics)
                     bar.update(1)
                     bar.set_postfix_str(f"loss {metrics['loss']:.3f}")
@@ -403,6 +401,7 @@ class SFTTrainer:
         finally:
             log.close()
         last = self.loss(samples)
+        logged_last = self.cfg.eval_every > 0 and self.step % self.cfg.eval_every == 0
         self.policy.model.save_pretrained(out)
         self.policy.save_processor(out)
         return {
@@ -412,8 +411,8 @@ class SFTTrainer:
             "loss_after": last,
             "val_samples": len(val),
             "val_loss_before": val_first,
-            # Measured once: the last step's logged value when there is one.
-            "val_loss_after": val_last if val_at == self.step else (self.loss(val) if val else None),
+            # Measured once: the last step's logged value when it logged one.
+            "val_loss_after": val_last if logged_last else (self.loss(val) if val else None),
             "seconds": round(time.monotonic() - t0, 1),
             "model": str(out),
         }
