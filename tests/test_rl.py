@@ -5,6 +5,7 @@ killed with SIGKILL and resumed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -30,7 +31,9 @@ from openforgerl.rl.loop import (
     _train_on,
     lag_bound,
     load_options,
+    step_tasks,
     train,
+    training_tasks,
 )
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, chat_sample, oracle_samples
 from openforgerl.rl.trainer import (
@@ -204,6 +207,20 @@ def test_importance_weights_are_one_when_behaviour_matches(
     assert metrics["loss_tokens"] == 2 * sum(len(c) for _, c, _ in triples)
 
 
+def test_ppo_epochs_reuse_every_sample_and_the_clip_bounds_the_later_updates(
+    tiny_model_dir: Path, engine_and_prompts: Any
+) -> None:
+    """Two passes of two mini-batches: four updates that each see half the samples, every sample
+    twice; after the first update the ratio to pi_old leaves 1 and the PPO clip starts to act."""
+    _, triples = engine_and_prompts
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=3e-2, mini_batches=2, ppo_epochs=2), group_size=2)
+    metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+    assert metrics["optimizer_steps"] == 4 and trainer.policy_version == 1
+    assert metrics["loss_tokens"] == 2 * 2 * sum(len(c) for _, c, _ in triples)
+    assert metrics["clip_fraction"] > 0.0
+    assert metrics["actor/ppo_kl"] != 0.0  # pi_old stayed the policy from before the first update
+
+
 def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engine_and_prompts: Any) -> None:
     _, triples = engine_and_prompts
     params = []
@@ -221,7 +238,6 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engin
 def test_a_shared_system_prompt_runs_once_with_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
     """Rows that open alike (a harness's system prompt, a group's task) run that prefix once and go
     on from its KV cache: the logprobs and the gradients equal those of running every row whole."""
-    import dataclasses
 
     policy = Policy(tiny_model_dir, lr=1e-3)
     system = {"role": "system", "content": "You are an agent in a workspace. Use the tools. " * 4}
@@ -520,6 +536,18 @@ def _versioned(group: str, versions_per_sample: list[list[int]]) -> Rollout:
         for vs in versions_per_sample
     ]
     return Rollout(group, 1.0, samples)
+
+
+def test_skip_tasks_keeps_rl_off_the_tasks_the_sft_teacher_solved(tmp_path: Path) -> None:
+    teacher = {t.id for t in load_tasks("tools-tiny", split="train")[:400]}  # oracle_samples(limit=400)
+    opts = TrainOptions(model="m", out=tmp_path, skip_tasks=400)
+    rest = training_tasks(opts)
+    assert len(rest) == len(load_tasks("tools-tiny", split="train")) - 400
+    drawn = {t.id for step in range(1, 50) for t in step_tasks(rest, step, 6, seed=0)}
+    assert drawn and not drawn & teacher
+    assert training_tasks(dataclasses.replace(opts, skip_tasks=0))[0].id in teacher
+    with pytest.raises(ValueError, match="after the first 5000"):
+        training_tasks(dataclasses.replace(opts, skip_tasks=5000))
 
 
 def test_lag_bound_keeps_rollouts_within_max_lag_and_measures_the_lag() -> None:

@@ -587,6 +587,13 @@ def view(
 @main.command("train", context_settings={"ignore_unknown_options": True})
 @click.option("--tasks", default="tools-tiny", show_default=True, help="A suite or task file/dir.")
 @click.option(
+    "--skip-tasks",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Leave out the first N train tasks, e.g. the N an SFT teacher solved (sft --teacher --limit N).",
+)
+@click.option(
     "--model", "model_dir", default=None, help="Starting model dir (HF format); not needed with --resume."
 )
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="The run folder.")
@@ -612,7 +619,20 @@ def view(
     help="Truncated importance sampling against the behaviour logprobs.",
 )
 @click.option("--tis-threshold", type=float, default=2.0, show_default=True)
-@click.option("--mini-batches", type=int, default=1, show_default=True, help="Optimizer updates per step.")
+@click.option(
+    "--mini-batches",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Optimizer updates per pass over a step's samples.",
+)
+@click.option(
+    "--ppo-epochs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Passes over a step's samples; with more than one update per step the PPO clip acts.",
+)
 @click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
 @click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Per model call.")
@@ -705,6 +725,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             model=model_dir,
             out=Path(out),
             tasks=kw["tasks"],
+            skip_tasks=kw["skip_tasks"],
             steps=10 if steps is None else steps,
             group=kw["group"],
             batch_tasks=kw["batch_tasks"],
@@ -723,6 +744,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
                 lr=kw["lr"],
                 estimator=kw["algo"],
                 mini_batches=kw["mini_batches"],
+                ppo_epochs=kw["ppo_epochs"],
                 micro_batch_tokens=kw["micro_batch_tokens"],
                 drop_zero_variance=not kw["keep_zero_variance"],
                 seed=kw["seed"],

@@ -95,6 +95,7 @@ class TrainOptions:
     out: Path  # the run folder
     tasks: str = "tools-tiny"
     split: str = "train"
+    skip_tasks: int = 0  # leave out the split's first N tasks (the demo's SFT teacher solved them)
     harness: str = "react"  # react (tool calls) or gui (a browser on screenshots: web-basic, a VLM policy)
     steps: int = 10
     group: int = 4  # rollouts per task (G)
@@ -135,6 +136,15 @@ def load_options(run_dir: Path) -> TrainOptions:
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run to resume ({RUN_FILE} is missing)")
     return TrainOptions.from_json(json.loads(path.read_text()))
+
+
+def training_tasks(opts: TrainOptions) -> list[Task]:
+    """The tasks RL draws from: the split, less its first `skip_tasks`."""
+    tasks = load_tasks(opts.tasks, split=opts.split)[opts.skip_tasks :]  # type: ignore[arg-type]
+    if not tasks:
+        skipped = f" after the first {opts.skip_tasks}" if opts.skip_tasks else ""
+        raise ValueError(f"no {opts.split} tasks in {opts.tasks}{skipped}")
+    return tasks
 
 
 def step_tasks(tasks: Sequence[Task], step: int, n: int, seed: int) -> list[Task]:
@@ -447,9 +457,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_FILE).write_text(json.dumps(opts.to_json(), indent=2))
-    train_tasks = load_tasks(opts.tasks, split=opts.split)  # type: ignore[arg-type]
-    if not train_tasks:
-        raise ValueError(f"no {opts.split} tasks in {opts.tasks}")
+    train_tasks = training_tasks(opts)
     eval_tasks: list[Task] = []
     if opts.eval_every:
         eval_tasks = load_tasks(opts.tasks, split=opts.eval_split)[: opts.eval_limit]  # type: ignore[arg-type]

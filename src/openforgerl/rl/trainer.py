@@ -2,14 +2,16 @@
 
 One training step takes the rollouts of a batch of tasks (G per task: a group), drops groups whose
 rewards are all equal (they carry no signal for group-relative estimators) and counts them, gives
-every kept rollout an advantage with veRL's estimator, and runs `mini_batches` AdamW updates over
-its samples, each accumulated over micro-batches that fit a token budget, with gradient clipping.
+every kept rollout an advantage with veRL's estimator, and runs `ppo_epochs` passes of
+`mini_batches` AdamW updates over its samples, each accumulated over micro-batches that fit a token
+budget, with gradient clipping.
 Losses and importance weights come from veRL (`openforgerl.rl.algos`).
 
 Current logprobs are recomputed on each sample's own input_ids at `temperature` (1: the engine's
 logprob contract), on the loss positions only. The behaviour logprobs recorded by the gateway are
-the rollout policy; pi_old is the trainer's policy at the start of the step (with one mini-batch
-it equals the current policy, so it is taken from the same forward pass, detached).
+the rollout policy; pi_old is the trainer's policy at the start of the step (with one update per
+step it equals the current policy, so it is taken from the same forward pass, detached). Only with
+more than one update does the PPO clip act: it bounds how far the later updates move from pi_old.
 
 Vision-language models: a sample's `image_digests` are looked up through the policy's image
 source (the gateway store's `images_sync`), turned into pixel inputs by the same
@@ -67,7 +69,8 @@ class TrainerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per forward/backward pass
-    mini_batches: int = 1  # optimizer updates per step (PPO mini-batches)
+    mini_batches: int = 1  # optimizer updates per pass over the step's samples (PPO mini-batches)
+    ppo_epochs: int = 1  # passes over the step's samples (veRL's ppo_epochs)
     estimator: str = "grpo"
     norm_adv_by_std: bool = True
     drop_zero_variance: bool = True
@@ -497,13 +500,16 @@ class Trainer:
 
     def _update(self, samples: list[Sample]) -> dict[str, float]:
         cfg = self.cfg
-        order = list(range(len(samples)))
-        random.Random(cfg.seed * 100_003 + self.step).shuffle(order)
+        rng = random.Random(cfg.seed * 100_003 + self.step)
         n_mini = max(1, min(cfg.mini_batches, len(samples)))
-        minis = [[samples[i] for i in order[k::n_mini]] for k in range(n_mini)]
+        minis = []
+        for _ in range(max(1, cfg.ppo_epochs)):  # each pass reshuffles the samples into mini-batches
+            order = list(range(len(samples)))
+            rng.shuffle(order)
+            minis += [[samples[i] for i in order[k::n_mini]] for k in range(n_mini)]
         old: dict[int, torch.Tensor] = {}
         t0 = time.monotonic()
-        if n_mini > 1:  # later mini-batches need pi_old from before the first update
+        if len(minis) > 1:  # later updates need pi_old from before the first one
             old = self._old_logprobs(samples)
         t_old = time.monotonic() - t0
         agg = _Metrics()
