@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from openforgerl import demo
+from openforgerl.tasks import load_tasks
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -40,11 +41,14 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
 
     # Three evaluations on held-out tasks only, each with n runs per task and an interval.
     assert list(report["evaluations"]) == ["before", "sft", "rl"]
+    families = [t.metadata["family"] for t in load_tasks("tools-tiny", split="heldout")[:2]]
     for name, ev in report["evaluations"].items():
         assert ev["rollouts"] == 4, name
         assert 0.0 <= ev["pass@1"]["low"] <= ev["pass@1"]["estimate"] <= ev["pass@1"]["high"] <= 1.0
         runs = json.loads((out / "eval" / name / "report.json").read_text())["summary"]["per_task"]
         assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
+        # Per task family: the two tasks' families, one task each.
+        assert {f: v["tasks"] for f, v in ev["by_family"].items()} == {f: 1 for f in families}, name
 
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
@@ -60,6 +64,7 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         "| after RL (GRPO) |",
         "![reward curve](reward_curve.png)",
         "held-out teacher trajectories (never trained on) ",
+        "| model | " + " | ".join(f"{f} (1)" for f in sorted(families)) + " |",
     ):
         assert row in md
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from openforgerl.eval_stats import group_runs, pass_at_k, pass_hat_k, summarize
+from openforgerl.eval_stats import by_tag, group_runs, pass_at_k, pass_hat_k, summarize
 
 
 @st.composite
@@ -68,6 +68,18 @@ def test_summary_per_task_and_overall() -> None:
         )
     # the threshold decides what a success is: partial rewards count when it is lowered
     assert summarize(RUNS, success_threshold=0.5, n_bootstrap=10).tasks[2].successes == 1
+
+
+def test_figures_by_tag_average_their_tasks_and_leave_out_tags_every_task_has() -> None:
+    s = summarize(RUNS, ks=(1, 2), n_bootstrap=10)
+    tags = {"easy": ["suite", "add"], "flaky": ["suite", "add", "add"], "hard": ["suite", "copy"]}
+    table = by_tag(s, tags)
+    assert set(table) == {"add", "copy"}  # "suite" is on every task: the overall figures already
+    assert table["add"]["tasks"] == 2 and table["add"]["runs"] == 4 + 4  # a repeated tag counts once
+    assert table["add"]["pass@k"]["1"] == pytest.approx((1.0 + 0.5) / 2)
+    assert table["add"]["pass@k"]["2"] == pytest.approx((1.0 + 5 / 6) / 2)
+    assert table["copy"]["mean_reward"] == pytest.approx(0.125)
+    assert by_tag(s, {}) == {}
 
 
 def test_intervals_are_seeded_and_plausible() -> None:

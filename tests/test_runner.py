@@ -82,6 +82,11 @@ def test_eval_with_the_oracle_policy_scores_every_task(tiny_model_dir: Path, tmp
     training = report["tokens"]["training"]
     assert training["samples"] == 6 and training["tokens_merged"] < training["tokens_per_call"]
     assert "pass@2" in (tmp_path / "report.md").read_text()
+    # Figures per task family (the tag every task has, the suite's, is left out).
+    families = {t.metadata["family"] for t in TASKS}
+    assert len(families) > 1 and set(report["by_tag"]) == families
+    assert all(v["pass@k"]["1"] == 1.0 and v["runs"] == 2 * v["tasks"] for v in report["by_tag"].values())
+    assert "| tag | tasks |" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

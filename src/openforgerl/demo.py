@@ -274,6 +274,11 @@ def build_report(
             "mean_reward": _interval(s, "mean_reward", 0),
             "rollouts": ev["rollouts"],
             "outcomes": ev["outcomes"],
+            # The suite tags each task with its family (add, copy, ...).
+            "by_family": {
+                tag: {"tasks": v["tasks"], "pass@1": v["pass@k"]["1"]}
+                for tag, v in ev.get("by_tag", {}).items()
+            },
         }
     return {
         "suite": SUITE,
@@ -369,6 +374,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     if all(evs.get(k, {}).get("pass@1") for k in ("sft", "rl")):
         gain = evs["rl"]["pass@1"]["estimate"] - evs["sft"]["pass@1"]["estimate"]
         lines += ["", f"RL over SFT on held-out pass@1: {gain * 100:+.1f} points."]
+    tasks = {f: v["tasks"] for ev in evs.values() for f, v in ev.get("by_family", {}).items()}
+    if tasks:
+        lines += [
+            "",
+            "Held-out pass@1 per task family (its number of held-out tasks in brackets):",
+            "",
+            "| model | " + " | ".join(f"{f} ({n})" for f, n in sorted(tasks.items())) + " |",
+            "|---|" + "---:|" * len(tasks),
+        ]
+        for key, ev in evs.items():
+            cells = [ev.get("by_family", {}).get(f, {}).get("pass@1") for f in sorted(tasks)]
+            shown = ["—" if c is None else f"{c:.2f}" for c in cells]
+            lines.append(f"| {names.get(key, key)} | " + " | ".join(shown) + " |")
     lines += [
         "",
         "![reward curve](reward_curve.png)",

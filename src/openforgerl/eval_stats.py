@@ -213,3 +213,24 @@ def summarize(
         n_bootstrap=n_bootstrap,
         seed=seed,
     )
+
+
+def by_tag(summary: EvalSummary, tags: Mapping[str, Sequence[str]]) -> dict[str, dict[str, Any]]:
+    """Per tag (e.g. a suite's task family): its tasks, runs, mean reward and pass@k (the mean of
+    its tasks' values, as overall). Tags that every task carries say nothing beyond the overall
+    figures and are left out."""
+    members: dict[str, list[TaskRow]] = defaultdict(list)
+    for t in summary.tasks:
+        for tag in dict.fromkeys(tags.get(t.task_id, ())):
+            members[tag].append(t)
+    out = {}
+    for tag, rows in sorted(members.items()):
+        if len(rows) == len(summary.tasks):
+            continue
+        out[tag] = {
+            "tasks": len(rows),
+            "runs": sum(t.runs for t in rows),
+            "mean_reward": float(np.mean([t.mean_reward for t in rows])),
+            "pass@k": {str(k): float(np.mean([t.pass_at[k] for t in rows])) for k in summary.ks},
+        }
+    return out

@@ -25,7 +25,7 @@ import httpx
 from tqdm import tqdm
 
 from openforgerl.engines.base import Engine
-from openforgerl.eval_stats import summarize
+from openforgerl.eval_stats import by_tag, summarize
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.gateway.upstream import UpstreamSpec
 from openforgerl.runner import (
@@ -190,6 +190,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
         "status": dict(collections.Counter(r.status.value for r in results)),
         "tasks_without_k_scored_runs": sorted(set(r.task_id for r in results) - set(complete)),
         "summary": summary.to_dict() if summary else None,
+        "by_tag": by_tag(summary, {t.id: t.tags for t in _select(opts)}) if summary else {},
         "tokens": {
             "prompt": sum(len(c.prompt_ids) for c in calls),
             "completion": sum(len(c.completion_ids) for c in calls),
@@ -236,4 +237,10 @@ def _markdown(report: dict[str, Any], summary_md: str) -> str:
     if report["tasks_without_k_scored_runs"]:
         missing = ", ".join(report["tasks_without_k_scored_runs"])
         lines.append(f"- tasks without {report['k']} scored runs: {missing}")
+    if report["by_tag"]:
+        lines += ["", "| tag | tasks | runs | mean reward | pass@1 |", "|---|---:|---:|---:|---:|"]
+        lines += [
+            f"| {tag} | {v['tasks']} | {v['runs']} | {v['mean_reward']:.3f} | {v['pass@k']['1']:.3f} |"
+            for tag, v in report["by_tag"].items()
+        ]
     return "\n".join(lines) + "\n\n" + summary_md
