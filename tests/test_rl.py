@@ -472,6 +472,7 @@ def test_train_resumes_after_sigkill_without_losing_or_repeating_rollouts(
     argv += ["--steps", str(steps), "--batch-tasks", str(tasks), "--group", str(group), "--lr", "1e-3"]
     # A random model never earns a reward: train on the (all-zero) groups anyway, so versions advance.
     argv += ["--max-tokens", "12", "--max-turns", "2", "--concurrency", "1", "--keep-zero-variance"]
+    argv += ["--skip-tasks", "990", "--ppo-epochs", "2"]  # the last 10 train tasks; 2 updates a step
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(
         argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -513,8 +514,11 @@ def test_train_resumes_after_sigkill_without_losing_or_repeating_rollouts(
     assert len(keys) == len(set(keys)) == steps * tasks * group  # no rollout scored twice
     # Step k's rollouts were sampled by the weights of step k - 1, before the kill and after.
     assert sorted(versions) == [(f"run-step{k}", k - 1, k - 1) for k in range(1, steps + 1)]
-    logged = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert logged == list(range(1, steps + 1))
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, steps + 1))
+    # The resumed run kept its options: tasks after the first 990 only, two passes per step.
+    assert {t for _, t, _ in keys} <= {t.id for t in load_tasks("tools-tiny", split="train")[990:]}
+    assert all(m["optimizer_steps"] == 2 for m in logged)
 
 
 # ---- overlap of rollouts and training ----------------------------------------------------------

@@ -62,8 +62,8 @@ class DemoConfig:
     rl_steps: int = 30  # about 22 s each on 2 cores
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
-    # From the seed-2 SFT model (held-out pass@1 0.53), 30 GRPO steps reached 0.56 at 5e-5, but
-    # fell to 0.475 at 1e-4 and to 0.24 at 2e-4.
+    # From the seed-2 SFT model (held-out pass@1 0.53), 30 GRPO steps reached 0.56 at 5e-5; 15 steps
+    # of 12 tasks fell to 0.38 at 2e-4 (0.505 with KL 0.5 to the SFT model): benchmarks/README.md.
     rl_lr: float = 5e-5
     eval_tasks: int | None = None  # held-out tasks evaluated (None: all 50)
     eval_n: int = 4  # sampled runs per task (at 2, one model's pass@1 ranged 0.24-0.37 over reruns)

@@ -95,7 +95,7 @@ class TrainOptions:
     out: Path  # the run folder
     tasks: str = "tools-tiny"
     split: str = "train"
-    skip_tasks: int = 0  # leave out the split's first N tasks (the demo's SFT teacher solved them)
+    skip_tasks: int = 0  # leave out the split's first N tasks (e.g. the N an SFT teacher solved)
     harness: str = "react"  # react (tool calls) or gui (a browser on screenshots: web-basic, a VLM policy)
     steps: int = 10
     group: int = 4  # rollouts per task (G)
