@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sqlite3
 from pathlib import Path
 
@@ -48,3 +49,29 @@ def test_closed_store_refuses_writes(tmp_path: Path) -> None:
             await store.create_rollout(row("ro_x", "kx"))
 
     asyncio.run(go())
+
+
+def test_close_folds_the_wal_into_the_database_file_and_leaves_it_alone(tmp_path: Path) -> None:
+    """Readers close with the store: the database file is final when close returns, not whenever
+    the garbage collector reaches a reader's connection."""
+    path = tmp_path / "s.db"
+
+    async def go() -> Store:
+        store = Store(path)
+        await store.create_rollout(row("ro_0", "k0"))
+        assert [r.id for r in await store.list_rollouts()] == ["ro_0"]  # a reader thread's connection
+        await store.close()
+        return store
+
+    store = asyncio.run(go())
+    assert not path.with_name("s.db-wal").exists()
+    stamp = path.stat().st_mtime_ns
+    del store
+    gc.collect()
+    assert path.stat().st_mtime_ns == stamp
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT id FROM rollouts").fetchall() == [("ro_0",)]
+    # A read after close still works, on a connection of its own.
+    late = Store(path)
+    asyncio.run(late.close())
+    assert [r.id for r in asyncio.run(late.list_rollouts())] == ["ro_0"]

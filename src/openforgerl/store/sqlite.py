@@ -262,6 +262,8 @@ class Store:
         self._durability = durability
         self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any] | None] | None] = queue.SimpleQueue()
         self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []  # closed with the store, not left to the GC
+        self._readers_lock = threading.Lock()
         write = self._connect()
         write.executescript(SCHEMA)
         _migrate(write)
@@ -356,6 +358,8 @@ class Store:
         if conn is None:
             conn = self._connect()
             self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
         return conn
 
     def _read_sync(self, sql: str, params: Iterable[Any] = ()) -> list[sqlite3.Row]:
@@ -557,6 +561,14 @@ class Store:
         self._closed = True
         self._queue.put(None)
         await asyncio.to_thread(self._writer.join)
+        # The last connection to close folds the WAL into the database file. Closing the readers
+        # here makes that happen now, not whenever the garbage collector reaches them (when the
+        # file would change under a caller that thinks the store is done with it).
+        with self._readers_lock:
+            readers, self._readers = self._readers, []
+            self._local = threading.local()  # a read after close opens a new connection
+        for conn in readers:
+            conn.close()
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
