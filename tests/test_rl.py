@@ -238,7 +238,6 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engin
 def test_a_shared_system_prompt_runs_once_with_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
     """Rows that open alike (a harness's system prompt, a group's task) run that prefix once and go
     on from its KV cache: the logprobs and the gradients equal those of running every row whole."""
-
     policy = Policy(tiny_model_dir, lr=1e-3)
     system = {"role": "system", "content": "You are an agent in a workspace. Use the tools. " * 4}
 

@@ -105,10 +105,13 @@ def _select(opts: EvalOptions) -> list[Task]:
 Recorded = dict[str, Any]  # gateway rollout id -> the JSON of its recorded calls
 
 
-def run_rollouts(opts: EvalOptions, engine: Engine | None = None) -> tuple[list[RolloutResult], Recorded]:
-    """Run every selected task n times; returns the results and what the gateway recorded."""
+def run_rollouts(
+    opts: EvalOptions, engine: Engine | None = None, tasks: list[Task] | None = None
+) -> tuple[list[RolloutResult], Recorded]:
+    """Run every selected task (`tasks`, when the caller has them already) n times; returns the
+    results and what the gateway recorded."""
     harness = harness_factory(opts)
-    tasks = _select(opts)
+    tasks = _select(opts) if tasks is None else tasks
     check_network(tasks, opts.network)  # before the gateway loads a model
     n = opts.n or opts.k
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +171,8 @@ def _recorded(url: str, token: str, results: list[RolloutResult]) -> dict[str, A
 def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     """pass@k, pass^k and mean reward (95% CI) over n >= k runs per task; writes report.json/.md."""
     t0 = time.monotonic()
-    results, recorded = run_rollouts(opts, engine)
+    tasks = _select(opts)
+    results, recorded = run_rollouts(opts, engine, tasks)
     scored = [r for r in results if r.status == Status.DONE and r.reward is not None]
     runs: dict[str, list[float]] = collections.defaultdict(list)
     for r in scored:
@@ -190,7 +194,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
         "status": dict(collections.Counter(r.status.value for r in results)),
         "tasks_without_k_scored_runs": sorted(set(r.task_id for r in results) - set(complete)),
         "summary": summary.to_dict() if summary else None,
-        "by_tag": by_tag(summary, {t.id: t.tags for t in _select(opts)}) if summary else {},
+        "by_tag": by_tag(summary, {t.id: t.tags for t in tasks}) if summary else {},
         "tokens": {
             "prompt": sum(len(c.prompt_ids) for c in calls),
             "completion": sum(len(c.completion_ids) for c in calls),

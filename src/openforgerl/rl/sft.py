@@ -272,7 +272,8 @@ def oracle_samples(
         max_turns=max_turns,
         progress=progress,
     )
-    results, recorded = run_rollouts(opts, OracleTeacherEngine(model_dir, chosen, show_work=show_work))
+    teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work)
+    results, recorded = run_rollouts(opts, teacher, chosen)
     samples = []
     for r in results:
         if r.status == Status.DONE and passed(r.reward or 0.0) and r.gateway_rollout_id in recorded:
