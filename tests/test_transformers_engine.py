@@ -25,6 +25,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from openforgerl.engines.prefix_cache import PrefixCache
 from openforgerl.engines.transformers_engine import TransformersEngine
 
 # Recorded logprobs vs a teacher-forced forward over prompt + completion, float32 on CPU.
@@ -378,3 +379,72 @@ def test_load_weights_rejects_a_foreign_checkpoint(tiny_model_dir: Path, tmp_pat
             assert engine.policy_version == 0
 
     run(main)
+
+
+def test_later_turns_run_only_their_new_tokens_and_a_weight_swap_reuses_nothing(
+    tiny_model_dir: Path, sharp_dir: Path
+) -> None:
+    """An agent's turn 2 is turn 1's prompt, its completion and a tool result: with the prefix cache
+    only the tokens after turn 1's last sampled one run; a new rollout reuses the shared system
+    prompt; after a weight swap every prompt runs whole. Logprobs match teacher forcing throughout."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
+    checked: list[tuple[Path, list[int], GenerateResult]] = []
+
+    async def main() -> None:
+        async with running(tiny_model_dir) as engine:
+            system = prompt(
+                engine, "You are an agent in a workspace. Use the tools to read and write files. " * 2
+            )
+            turn1 = [system + prompt(engine, f" Task {i}: copy a.txt to b.txt.") for i in range(3)]
+            first = await asyncio.gather(*(engine.generate(p, sampled) for p in turn1))
+            assert engine.stats["prefill_tokens"] == sum(map(len, turn1))  # nothing cached yet
+            result = prompt(engine, " The tool says: a.txt holds hat.")
+            turn2 = [p + r.completion_ids + result for p, r in zip(turn1, first, strict=True)]
+            ran = engine.stats["prefill_tokens"]
+            second = await asyncio.gather(*(engine.generate(p, sampled) for p in turn2))
+            # Each turn-1 row cached its prompt and completion but the last sampled token.
+            assert engine.stats["prefill_tokens"] - ran == 3 * (len(result) + 1)
+            ran = engine.stats["prefill_tokens"]
+            fresh = system + prompt(engine, " Task 9: reverse w.txt.")
+            third = await engine.generate(fresh, sampled)
+            assert engine.stats["prefill_tokens"] - ran <= len(fresh) - len(system)
+            assert await engine.load_weights(str(sharp_dir)) == 1
+            assert len(engine.prefix_cache) == 0
+            ran = engine.stats["prefill_tokens"]
+            swapped = await engine.generate(turn2[0], sampled)
+            assert engine.stats["prefill_tokens"] - ran == len(turn2[0])
+        for p, r in [*zip(turn1 + turn2, first + second, strict=True), (fresh, third)]:
+            checked.append((tiny_model_dir, p, r))
+        checked.append((sharp_dir, turn2[0], swapped))
+
+    run(main)
+    for model_dir, p, r in checked:
+        expected = teacher_logprobs(model_dir, p, r, 1.0)
+        assert (expected - torch.tensor(r.logprobs)).abs().max().item() < LOGPROB_TOL
+
+
+def test_prefix_cache_serves_the_longest_prefix_within_its_byte_budget() -> None:
+    def kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.arange(n, dtype=torch.float32).view(1, 1, n, 1),) * 2]  # 8 bytes per token
+
+    cache = PrefixCache(max_bytes=8 * 100, min_tokens=4)
+    cache.insert(list(range(40)), kv(40))
+    hit = cache.lookup([*range(30), 99])
+    assert hit is not None and hit[0] == 30 and hit[1][0][0].flatten().tolist() == list(range(30))
+    assert cache.lookup(list(range(40)))[0] == 39  # type: ignore[index]  # the last token must run
+    assert cache.lookup([5, 6, 7, 8, 9, 10]) is None
+    assert cache.lookup([0, 1, 2, 99, 4, 5]) is None  # 3 tokens shared: under min_tokens
+    cache.insert(list(range(50)), kv(50))  # the 40-token entry is a prefix of it: dropped
+    assert len(cache) == 1 and cache.bytes == 8 * 50
+    cache.insert(list(range(100, 160)), kv(60))  # over budget: the least recently used goes
+    assert len(cache) == 1 and cache.lookup(list(range(45))) is None
+    cache.insert(list(range(200, 400)), kv(200))  # larger than the whole budget: not kept
+    assert len(cache) == 1 and cache.stats["evictions"] == 1
+
+
+def test_the_gateways_builtin_engine_takes_the_prefix_cache_size(tiny_model_dir: Path) -> None:
+    from openforgerl.engines import make_engine
+
+    for mb, size in ((0.0, 0), (1.5, 3 << 19)):
+        engine = make_engine("builtin", str(tiny_model_dir), prefix_cache_mb=mb)
+        assert isinstance(engine, TransformersEngine) and engine.prefix_cache.max_bytes == size

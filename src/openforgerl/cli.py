@@ -110,6 +110,13 @@ def _upstream_specs(upstreams: Sequence[str], key_envs: Sequence[str], timeout: 
 @click.option("--max-context", type=int, default=4096, show_default=True, help="Prompt + completion limit.")
 @click.option("--max-inflight", type=int, default=1024, show_default=True, help="Beyond this: 429.")
 @click.option("--durability", type=click.Choice(["full", "normal"]), default="full", show_default=True)
+@click.option(
+    "--prefix-cache-mb",
+    type=click.FloatRange(min=0.0),
+    default=512.0,
+    show_default=True,
+    help="The builtin engine's prefix cache (KV of earlier turns and shared system prompts); 0: off.",
+)
 @_upstream_options
 def gateway(
     model_dir: str,
@@ -125,6 +132,7 @@ def gateway(
     max_context: int,
     max_inflight: int,
     durability: str,
+    prefix_cache_mb: float,
     upstreams: tuple[str, ...],
     upstream_key_envs: tuple[str, ...],
     upstream_timeout: float,
@@ -149,6 +157,7 @@ def gateway(
             max_inflight=max_inflight,
             durability=durability,
             upstreams=specs,
+            prefix_cache_mb=prefix_cache_mb,
         )
     )
 

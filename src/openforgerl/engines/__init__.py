@@ -5,15 +5,25 @@ from __future__ import annotations
 from openforgerl.engines.base import Engine
 
 
-def make_engine(spec: str, model_dir: str, *, policy_version: int = 0, threads: int | None = None) -> Engine:
+def make_engine(
+    spec: str,
+    model_dir: str,
+    *,
+    policy_version: int = 0,
+    threads: int | None = None,
+    prefix_cache_mb: float = 512.0,
+) -> Engine:
     """`builtin` (transformers in this process), `vllm:URL` or `sglang:URL`; `policy_version` is the
     version of the weights the engine starts with (its calls carry it until the first load_weights);
-    `threads` caps the built-in engine's CPU threads (torch's intra-op pool, process-wide)."""
+    `threads` caps the built-in engine's CPU threads (torch's intra-op pool, process-wide) and
+    `prefix_cache_mb` sizes its prefix cache (0: off); server engines have their own."""
     kind, _, url = spec.partition(":")
     if kind == "builtin":
         from openforgerl.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, policy_version=policy_version, threads=threads)
+        return TransformersEngine(
+            model_dir, policy_version=policy_version, threads=threads, prefix_cache_mb=prefix_cache_mb
+        )
     if kind in ("vllm", "sglang") and url:
         if kind == "vllm":
             from openforgerl.engines.vllm import VLLMEngine

@@ -50,6 +50,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
+from openforgerl.engines.prefix_cache import PrefixCache
 from openforgerl.images import Image
 from openforgerl.vision import (
     NEVER_SAMPLED,
@@ -188,6 +189,7 @@ class TransformersEngine:
         max_context: int | None = None,
         policy_version: int = 0,
         threads: int | None = None,
+        prefix_cache_mb: float = 512,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")
@@ -202,6 +204,9 @@ class TransformersEngine:
         # torch's intra-op pool is process-wide: capping it leaves cores to the rollouts' sandboxes.
         self.threads = threads
         self.batch_wait = batch_wait_ms / 1000.0
+        # KV of finished sequences for later prompts that open alike (a rollout's next turn, the
+        # shared system prompt); 0 turns it off. Cleared at every weight swap.
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
 
         self.config = AutoConfig.from_pretrained(self.model_dir)
         self.vision = is_vision_model(self.model_dir)
@@ -223,6 +228,7 @@ class TransformersEngine:
             "cancelled": 0,  # rows dropped because their caller went away
             "running": 0,  # rows in the batch after the last step
             "tokens": 0,
+            "prefill_tokens": 0,  # prompt tokens run through the model (cached prefixes are not)
         }
         self._model: Any = None
         # Continuous joins pad caches on the left, which only plain full-attention layers allow.
@@ -458,6 +464,7 @@ class TransformersEngine:
             params = self._model.state_dict()
             for name, tensor in swap.state.items():
                 params[name].copy_(tensor)
+            self.prefix_cache.clear()  # its KV came from the old weights
             self._version += 1
             result: object = self._version
         except Exception as e:
@@ -481,11 +488,54 @@ class TransformersEngine:
         return out.logits[:, -1, :]
 
     def _prefill(self, reqs: list[_Request]) -> _Batch | None:
+        """Prefill the prompts of `reqs`: those opening with a cached prefix one by one from its KV,
+        the rest together; returns them as one batch."""
         reqs = [r for r in reqs if not r.cancelled]
         if not reqs:
             return None
         self.stats["batches"] += 1
         self.stats["requests"] += len(reqs)
+        batch: _Batch | None = None
+        cold = []
+        for r in reqs:
+            hit = self.prefix_cache.lookup(r.prompt_ids) if self._caches_prefixes(r) else None
+            if hit is None:
+                cold.append(r)
+                continue
+            joined = self._prefill_from(r, *hit)
+            if joined is not None:
+                batch = joined if batch is None else self._merge(batch, joined)
+        if cold:
+            joined = self._prefill_together(cold)
+            if joined is not None:
+                batch = joined if batch is None else self._merge(batch, joined)
+        return batch
+
+    def _caches_prefixes(self, req: _Request) -> bool:
+        # Cached rows join by merging caches, as continuous batching does; a VLM's M-RoPE positions
+        # depend on the images, so its prompts always run whole.
+        return self.prefix_cache.max_bytes > 0 and self._mergeable and req.vision is None
+
+    def _prefill_from(
+        self, req: _Request, cached: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> _Batch | None:
+        """Prefill one prompt whose first `cached` tokens' KV is `kv`: only the rest runs."""
+        cache = DynamicCache(config=self._model.config)
+        for layer, (k, v) in enumerate(kv):
+            cache.update(k, v, layer)
+        n = len(req.prompt_ids)
+        ids = torch.tensor([req.prompt_ids[cached:]], device=self.device)
+        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
+        pos = torch.arange(cached, n, device=self.device)[None]
+        self.stats["prefill_tokens"] += n - cached
+        logits = self._forward(ids, mask, pos, cache)
+        lengths = torch.tensor([n], device=self.device)
+        batch = _Batch(
+            rows=[req], cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=lengths
+        )
+        return self._sample_step(batch, logits)
+
+    def _prefill_together(self, reqs: list[_Request]) -> _Batch | None:
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device
@@ -495,6 +545,7 @@ class TransformersEngine:
         )
         cache = DynamicCache(config=self._model.config)
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
+        self.stats["prefill_tokens"] += int(lengths.sum())
         if self.processor is not None:
             pos, next_pos, vision = self._vision_prefill(reqs, ids, mask)
             logits = self._forward(ids, mask, pos, cache, **vision)
@@ -539,10 +590,13 @@ class TransformersEngine:
     def _sample_step(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
         ids, logprobs = self._sample(batch.rows, logits)
         self.stats["tokens"] += len(ids)
-        for row, tok, lp in zip(batch.rows, ids, logprobs, strict=True):
+        for i, (row, tok, lp) in enumerate(zip(batch.rows, ids, logprobs, strict=True)):
             row.completion_ids.append(tok)
             row.logprobs.append(lp)
-            self._check_finished(row, tok)
+            if (end := self._end(row, tok)) is not None:
+                if self._caches_prefixes(row):  # before the caller hears: its next turn may follow at once
+                    self._keep_prefix(batch, i)
+                self._finish(row, *end)
         batch.next_ids = torch.tensor(ids, device=self.device)
         return self._prune(batch)
 
@@ -568,15 +622,31 @@ class TransformersEngine:
         chosen = logp.gather(-1, ids[:, None]).squeeze(-1)
         return ids.tolist(), chosen.tolist()
 
-    def _check_finished(self, row: _Request, tok: int) -> None:
+    def _keep_prefix(self, batch: _Batch, i: int) -> None:
+        """Offer row i's KV (its prompt and completion but the last token, which never ran) to the
+        prefix cache; its real tokens are the last n positions of its cache row."""
+        row = batch.rows[i]
+        tokens = row.prompt_ids + row.completion_ids[:-1]
+        n = int(batch.mask[i].sum())
+        if n != len(tokens):  # never expected; a wrong entry would corrupt later prompts
+            return
+        kv = [
+            (la.keys[i : i + 1, :, -n:].clone(), la.values[i : i + 1, :, -n:].clone())
+            for la in _kv_layers(batch.cache)
+        ]
+        self.prefix_cache.insert(tokens, kv)
+
+    def _end(self, row: _Request, tok: int) -> tuple[FinishReason, str | int | None] | None:
+        """(finish reason, stop reason) when `tok` ends the row's completion, else None."""
         if tok in row.sampling.stop_token_ids:
-            self._finish(row, "stop", tok)
-        elif tok in self.eos_token_ids:
-            self._finish(row, "stop", None)
-        elif row.sampling.stop and (stop := self._stop_string(row)) is not None:
-            self._finish(row, "stop", stop)
-        elif len(row.completion_ids) >= row.max_tokens:
-            self._finish(row, "length", None)
+            return "stop", tok
+        if tok in self.eos_token_ids:
+            return "stop", None
+        if row.sampling.stop and (stop := self._stop_string(row)) is not None:
+            return "stop", stop
+        if len(row.completion_ids) >= row.max_tokens:
+            return "length", None
+        return None
 
     def _stop_string(self, row: _Request) -> str | None:
         """The stop string that the newest token completed, if any (earliest in the text wins).

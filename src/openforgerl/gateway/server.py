@@ -45,12 +45,15 @@ class GatewayConfig:
     # External models a rollout can be answered by instead of the policy (`"upstream": NAME`).
     upstreams: list[UpstreamSpec] = field(default_factory=list)
     engine_threads: int | None = None  # the built-in engine's CPU threads (None: torch's default)
+    prefix_cache_mb: float = 512.0  # the built-in engine's prefix cache (0: off)
 
 
 def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlette, Gateway]:
     """The ASGI app; the engine starts and the store closes with the app's lifespan."""
     renderer = renderer_for(cfg.model)  # a VisionRenderer for a vision-language model directory
-    engine = engine or make_engine(cfg.engine, cfg.model, threads=cfg.engine_threads)
+    engine = engine or make_engine(
+        cfg.engine, cfg.model, threads=cfg.engine_threads, prefix_cache_mb=cfg.prefix_cache_mb
+    )
     upstreams = {spec.name: Upstream(spec) for spec in cfg.upstreams}
     if len(upstreams) != len(cfg.upstreams):
         raise ValueError("two upstreams have the same name")
