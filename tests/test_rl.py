@@ -31,6 +31,7 @@ from openforgerl.rl.loop import (
     _train_on,
     lag_bound,
     load_options,
+    ptx_demonstrations,
     step_tasks,
     train,
     training_tasks,
@@ -219,6 +220,48 @@ def test_ppo_epochs_reuse_every_sample_and_the_clip_bounds_the_later_updates(
     assert metrics["loss_tokens"] == 2 * 2 * sum(len(c) for _, c, _ in triples)
     assert metrics["clip_fraction"] > 0.0
     assert metrics["actor/ppo_kl"] != 0.0  # pi_old stayed the policy from before the first update
+
+
+def test_ptx_term_pulls_each_update_toward_the_demonstrations(
+    tiny_model_dir: Path, engine_and_prompts: Any
+) -> None:
+    """The same RL step with and without the SFT-loss term: with it, the demonstrations' loss
+    falls further, and the step reports it; without demonstrations the term is refused."""
+    _, triples = engine_and_prompts
+    policy = Policy(tiny_model_dir, lr=1e-3)
+    demos = [
+        chat_sample(
+            [
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": str(a + b)},
+            ],
+            None,
+            policy.tokenizer,
+        )
+        for a, b in [(2, 3), (4, 4), (1, 6), (5, 2)]
+    ]
+
+    def demo_loss(trainer: Trainer) -> float:
+        batch = trainer.policy.collate(demos)
+        with torch.no_grad():
+            lp = trainer.policy.logprobs(batch, temperature=1.0)
+        return float(-(lp * batch.mask).sum() / batch.mask.sum())
+
+    losses = {}
+    for coef in (0.0, 1.0):
+        torch.manual_seed(0)
+        cfg = TrainerConfig(lr=1e-2, temperature=0.7, ptx_coef=coef, ptx_batch=4)
+        trainer = Trainer(tiny_model_dir, cfg, group_size=2, demonstrations=demos)
+        before = demo_loss(trainer)
+        metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+        losses[coef] = demo_loss(trainer)
+        assert ("ptx_loss" in metrics) == (coef > 0)
+    assert metrics["ptx_loss"] == pytest.approx(before, rel=1e-4)  # measured before the update
+    assert losses[1.0] < losses[0.0] and losses[1.0] < before
+    with pytest.raises(ValueError, match="demonstrations"):
+        Trainer(tiny_model_dir, TrainerConfig(ptx_coef=1.0), group_size=2)
+    with pytest.raises(ValueError, match="ptx_data"):
+        ptx_demonstrations(TrainOptions(model=str(tiny_model_dir), out=Path("x"), trainer=cfg))
 
 
 def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engine_and_prompts: Any) -> None:

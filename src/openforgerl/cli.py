@@ -642,6 +642,26 @@ def view(
     show_default=True,
     help="Passes over a step's samples; with more than one update per step the PPO clip acts.",
 )
+@click.option(
+    "--ptx-data",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="SFT samples (the JSONL `openforge sft` trains on) for the SFT-loss term of --ptx-coef.",
+)
+@click.option(
+    "--ptx-coef",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    show_default=True,
+    help="Weight of an SFT loss on --ptx-data added to every update (InstructGPT's PPO-ptx).",
+)
+@click.option(
+    "--ptx-batch",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Demonstrations in each update's SFT-loss term.",
+)
 @click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
 @click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Per model call.")
@@ -749,11 +769,14 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             overlap=bool(kw["overlap"]),
             max_lag=1 if kw["max_lag"] is None else kw["max_lag"],
             engine=kw["engine"] or "builtin",
+            ptx_data=str(Path(kw["ptx_data"]).resolve()) if kw["ptx_data"] else None,
             trainer=TrainerConfig(
                 lr=kw["lr"],
                 estimator=kw["algo"],
                 mini_batches=kw["mini_batches"],
                 ppo_epochs=kw["ppo_epochs"],
+                ptx_coef=kw["ptx_coef"],
+                ptx_batch=kw["ptx_batch"],
                 micro_batch_tokens=kw["micro_batch_tokens"],
                 drop_zero_variance=not kw["keep_zero_variance"],
                 seed=kw["seed"],

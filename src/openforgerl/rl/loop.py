@@ -84,7 +84,7 @@ from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, 
 from openforgerl.runner import HarnessFactory, OnFailure, RolloutResult, Runner, RunnerConfig, Status
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
-from openforgerl.trajectory import NO_VERSION, build_samples, calls_from_json
+from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
 
 RUN_FILE = "run.json"
 
@@ -116,6 +116,8 @@ class TrainOptions:
     overlap: bool = False  # rollouts of the next step(s) run while this one trains
     max_lag: int = 1  # policy versions a trained sample may lag behind the trainer (and prefetch depth)
     engine: str = "builtin"  # builtin, vllm:URL or sglang:URL (see the module docstring)
+    # SFT samples (the JSONL `openforge sft` reads) for the trainer's ptx term (trainer.ptx_coef).
+    ptx_data: str | None = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def to_json(self) -> dict[str, Any]:
@@ -145,6 +147,17 @@ def training_tasks(opts: TrainOptions) -> list[Task]:
         skipped = f" after the first {opts.skip_tasks}" if opts.skip_tasks else ""
         raise ValueError(f"no {opts.split} tasks in {opts.tasks}{skipped}")
     return tasks
+
+
+def ptx_demonstrations(opts: TrainOptions) -> list[Sample]:
+    """The SFT samples of the ptx term, tokenised for the starting model ([] when ptx is off)."""
+    if opts.trainer.ptx_coef <= 0:
+        return []
+    if not opts.ptx_data:
+        raise ValueError("trainer.ptx_coef > 0 needs ptx_data: a file of SFT samples (--ptx-data)")
+    from openforgerl.rl.sft import load_sft_data
+
+    return list(load_sft_data(opts.ptx_data, opts.model))
 
 
 def step_tasks(tasks: Sequence[Task], step: int, n: int, seed: int) -> list[Task]:
@@ -462,17 +475,24 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     if opts.eval_every:
         eval_tasks = load_tasks(opts.tasks, split=opts.eval_split)[: opts.eval_limit]  # type: ignore[arg-type]
 
+    demonstrations = ptx_demonstrations(opts)
     checkpoints = list(iter_checkpoints(run_dir / "checkpoints"))
     log = MetricsLog(run_dir)
     if checkpoints:
         last_step, last = checkpoints[-1]
-        trainer = Trainer.resume(last, opts.trainer, group_size=opts.group, reference_dir=opts.model)
+        trainer = Trainer.resume(
+            last,
+            opts.trainer,
+            group_size=opts.group,
+            reference_dir=opts.model,
+            demonstrations=demonstrations,
+        )
         state = json.loads((last / "trainer_state.json").read_text())
         if last_step not in log.steps() and "metrics" in state:
             log.write(last_step, state["metrics"])  # the crash came between checkpoint and log
         model_dir = last
     else:
-        trainer = Trainer(opts.model, opts.trainer, group_size=opts.group)
+        trainer = Trainer(opts.model, opts.trainer, group_size=opts.group, demonstrations=demonstrations)
         model_dir = Path(opts.model)
     engine, sync_first = _start_engine(opts.engine, model_dir, trainer.policy_version)
     gw_cfg = GatewayConfig(

@@ -76,6 +76,11 @@ class TrainerConfig:
     drop_zero_variance: bool = True
     loss: algos.LossConfig = field(default_factory=algos.LossConfig)
     temperature: float = 1.0  # must be the rollouts' sampling temperature
+    # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
+    # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
+    # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
+    ptx_coef: float = 0.0
+    ptx_batch: int = 16
     seed: int = 0
     device: str | None = None  # default: cuda when available, else cpu
 
@@ -320,8 +325,9 @@ class Policy:
         out["position_ids"] = position_ids
         return out
 
-    def logprobs(self, batch: _Collated, model: Any = None) -> torch.Tensor:
-        """(B, P) logprobs of the targets at temperature `self.temperature` (gradients enabled)."""
+    def logprobs(self, batch: _Collated, model: Any = None, temperature: float | None = None) -> torch.Tensor:
+        """(B, P) logprobs of the targets at `temperature` (default: `self.temperature`), with
+        gradients enabled."""
         model = model or self.model
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         skip = batch.shared
@@ -339,7 +345,7 @@ class Policy:
                 logits = model(**inputs, logits_to_keep=batch.positions - skip).logits
             else:
                 logits = model(**inputs).logits[:, batch.positions - skip]
-        logits = logits.float() / self.temperature
+        logits = logits.float() / (self.temperature if temperature is None else temperature)
         if len(self._unsampleable):  # the engine never samples these (see vision.unsampleable_token_ids)
             logits = logits.index_fill(-1, self._unsampleable.to(logits.device), NEVER_SAMPLED)
         picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
@@ -427,8 +433,12 @@ class Trainer:
         group_size: int,
         reference_dir: str | Path | None = None,
         image_source: ImageSource | None = None,
+        demonstrations: Sequence[Sample] = (),
     ) -> None:
         self.cfg = cfg
+        self.demonstrations = [s for s in demonstrations if s.num_loss_tokens]
+        if cfg.ptx_coef > 0 and not self.demonstrations:
+            raise ValueError("ptx_coef > 0 needs demonstrations (SFT samples) to take the SFT loss on")
         self.policy = Policy(
             model_dir,
             lr=cfg.lr,
@@ -456,10 +466,16 @@ class Trainer:
         group_size: int,
         reference_dir: str | Path,
         image_source: ImageSource | None = None,
+        demonstrations: Sequence[Sample] = (),
     ) -> Trainer:
         """The trainer as `save` left it: weights, optimizer, step and policy version."""
         trainer = cls(
-            checkpoint, cfg, group_size=group_size, reference_dir=reference_dir, image_source=image_source
+            checkpoint,
+            cfg,
+            group_size=group_size,
+            reference_dir=reference_dir,
+            image_source=image_source,
+            demonstrations=demonstrations,
         )
         trainer.policy.load_optimizer(checkpoint)
         state = json.loads((checkpoint / STATE_FILE).read_text())
@@ -514,6 +530,7 @@ class Trainer:
         t_old = time.monotonic() - t0
         agg = _Metrics()
         grad_norms = []
+        ptx_losses: list[float] = []
         tokens = loss_tokens = padded = 0
         t1 = time.monotonic()
         for mini in minis:
@@ -549,6 +566,8 @@ class Trainer:
                 tokens += batch.real_tokens
                 padded += batch.ids.numel()
                 loss_tokens += int(weight)
+            if cfg.ptx_coef > 0:
+                ptx_losses.append(self._ptx_backward(rng))
             grad_norms.append(self.policy.clip_and_step(cfg.max_grad_norm))
         t_train = time.monotonic() - t1
         out = agg.result(len(minis))
@@ -571,6 +590,21 @@ class Trainer:
                 "time/train": t_train,
             }
         )
+        if ptx_losses:
+            out["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
+        return out
+
+    def _ptx_backward(self, rng: random.Random) -> float:
+        """Accumulate ptx_coef x the SFT loss of `ptx_batch` demonstrations; returns the SFT loss."""
+        batch_size = min(self.cfg.ptx_batch, len(self.demonstrations))
+        demos = rng.sample(self.demonstrations, batch_size)
+        total = sum(s.num_loss_tokens for s in demos)
+        out = 0.0
+        for chunk in self.policy.micro_batches(demos, self.cfg.micro_batch_tokens):
+            batch = self.policy.collate([demos[i] for i in chunk])
+            loss = algos.sft_loss(self.policy.logprobs(batch, temperature=1.0), batch.mask, total)
+            (self.cfg.ptx_coef * loss).backward()
+            out += float(loss.detach())
         return out
 
     @torch.no_grad()
