@@ -427,13 +427,13 @@ def test_prefix_cache_serves_the_longest_prefix_within_its_byte_budget() -> None
     def kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(torch.arange(n, dtype=torch.float32).view(1, 1, n, 1),) * 2]  # 8 bytes per token
 
-    cache = PrefixCache(max_bytes=8 * 100, min_tokens=4)
+    cache = PrefixCache(max_bytes=8 * 100)  # found a block of 16 tokens at a time, then extended
     cache.insert(list(range(40)), kv(40))
     hit = cache.lookup([*range(30), 99])
     assert hit is not None and hit[0] == 30 and hit[1][0][0].flatten().tolist() == list(range(30))
     assert cache.lookup(list(range(40)))[0] == 39  # type: ignore[index]  # the last token must run
     assert cache.lookup([5, 6, 7, 8, 9, 10]) is None
-    assert cache.lookup([0, 1, 2, 99, 4, 5]) is None  # 3 tokens shared: under min_tokens
+    assert cache.lookup([*range(15), 99, 16, 17]) is None  # 15 tokens shared: under one block
     cache.insert(list(range(50)), kv(50))  # the 40-token entry is a prefix of it: dropped
     assert len(cache) == 1 and cache.bytes == 8 * 50
     cache.insert(list(range(100, 160)), kv(60))  # over budget: the least recently used goes

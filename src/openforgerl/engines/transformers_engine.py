@@ -12,6 +12,9 @@ step boundary the worker prefills newly arrived prompts, merges them into the ru
 padding, a shared DynamicCache) and decodes one token for every row. Rows that finish or whose
 caller went away are dropped from the cache before the next step.
 
+A prompt that opens with the tokens of a finished sequence (an agent's next turn; the system prompt
+every rollout shares) starts from that sequence's KV, kept in `prefix_cache`, and runs only the rest.
+
 Seeded requests sample with their own torch.Generator, so their draws do not depend on batch mates.
 Batched float arithmetic can still differ from a solo run in the last bits of the logits; a sample
 whose uniform draw lands within that distance of a boundary could flip, which in practice is never.
