@@ -395,15 +395,18 @@ def test_later_turns_run_only_their_new_tokens_and_a_weight_swap_reuses_nothing(
             system = prompt(
                 engine, "You are an agent in a workspace. Use the tools to read and write files. " * 2
             )
-            turn1 = [system + prompt(engine, f" Task {i}: copy a.txt to b.txt.") for i in range(3)]
+            # Rows of different lengths, so cached prefixes and new tokens differ in length within a batch.
+            turn1 = [
+                system + prompt(engine, f" Task {i}: copy a.txt to b.txt" + " now" * i) for i in range(3)
+            ]
             first = await asyncio.gather(*(engine.generate(p, sampled) for p in turn1))
             assert engine.stats["prefill_tokens"] == sum(map(len, turn1))  # nothing cached yet
-            result = prompt(engine, " The tool says: a.txt holds hat.")
-            turn2 = [p + r.completion_ids + result for p, r in zip(turn1, first, strict=True)]
+            results = [prompt(engine, " The tool says: a.txt holds" + " hat" * (i + 1)) for i in range(3)]
+            turn2 = [p + r.completion_ids + t for p, r, t in zip(turn1, first, results, strict=True)]
             ran = engine.stats["prefill_tokens"]
             second = await asyncio.gather(*(engine.generate(p, sampled) for p in turn2))
             # Each turn-1 row cached its prompt and completion but the last sampled token.
-            assert engine.stats["prefill_tokens"] - ran == 3 * (len(result) + 1)
+            assert engine.stats["prefill_tokens"] - ran == sum(len(t) + 1 for t in results)
             ran = engine.stats["prefill_tokens"]
             fresh = system + prompt(engine, " Task 9: reverse w.txt.")
             third = await engine.generate(fresh, sampled)

@@ -53,7 +53,7 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
-from openforgerl.engines.prefix_cache import PrefixCache
+from openforgerl.engines.prefix_cache import KV, PrefixCache
 from openforgerl.images import Image
 from openforgerl.vision import (
     NEVER_SAMPLED,
@@ -491,50 +491,60 @@ class TransformersEngine:
         return out.logits[:, -1, :]
 
     def _prefill(self, reqs: list[_Request]) -> _Batch | None:
-        """Prefill the prompts of `reqs`: those opening with a cached prefix one by one from its KV,
-        the rest together; returns them as one batch."""
+        """Prefill the prompts of `reqs`, those opening with a cached prefix from its KV (only the
+        rest runs), the others whole; returns them as one batch."""
         reqs = [r for r in reqs if not r.cancelled]
         if not reqs:
             return None
         self.stats["batches"] += 1
         self.stats["requests"] += len(reqs)
-        batch: _Batch | None = None
-        cold = []
+        hits, cold = [], []
         for r in reqs:
             hit = self.prefix_cache.lookup(r.prompt_ids) if self._caches_prefixes(r) else None
             if hit is None:
                 cold.append(r)
-                continue
-            joined = self._prefill_from(r, *hit)
-            if joined is not None:
-                batch = joined if batch is None else self._merge(batch, joined)
-        if cold:
-            joined = self._prefill_together(cold)
-            if joined is not None:
-                batch = joined if batch is None else self._merge(batch, joined)
-        return batch
+            else:
+                hits.append((r, *hit))
+        cached = self._prefill_cached(hits) if hits else None
+        whole = self._prefill_together(cold) if cold else None
+        if cached is None or whole is None:
+            return cached or whole
+        return self._merge(cached, whole)
 
     def _caches_prefixes(self, req: _Request) -> bool:
         # Cached rows join by merging caches, as continuous batching does; a VLM's M-RoPE positions
         # depend on the images, so its prompts always run whole.
         return self.prefix_cache.max_bytes > 0 and self._mergeable and req.vision is None
 
-    def _prefill_from(
-        self, req: _Request, cached: int, kv: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> _Batch | None:
-        """Prefill one prompt whose first `cached` tokens' KV is `kv`: only the rest runs."""
+    def _prefill_cached(self, hits: list[tuple[_Request, int, KV]]) -> _Batch | None:
+        """Prefill prompts whose first `cached` tokens' KV the prefix cache gave, in one pass over
+        the rest of each. Row i's cache is [padding | its cached KV], its input [padding | the rest],
+        so the mask has a hole between the two where the lengths differ."""
+        width = max(c for _, c, _ in hits)
+        rest = [r.prompt_ids[c:] for r, c, _ in hits]
+        span = max(map(len, rest))
         cache = DynamicCache(config=self._model.config)
-        for layer, (k, v) in enumerate(kv):
-            cache.update(k, v, layer)
-        n = len(req.prompt_ids)
-        ids = torch.tensor([req.prompt_ids[cached:]], device=self.device)
-        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
-        pos = torch.arange(cached, n, device=self.device)[None]
-        self.stats["prefill_tokens"] += n - cached
+        for layer in range(len(hits[0][2])):
+            keys = torch.cat([_pad_left(kv[layer][0], width - c, -2) for _, c, kv in hits])
+            values = torch.cat([_pad_left(kv[layer][1], width - c, -2) for _, c, kv in hits])
+            cache.update(keys, values, layer)
+        rows = [(width - c, c, span - len(t), t) for (_, c, _), t in zip(hits, rest, strict=True)]
+        ids = torch.tensor([[0] * gap + t for _, _, gap, t in rows], device=self.device)
+        mask = torch.tensor(
+            [[0] * p + [1] * c + [0] * gap + [1] * len(t) for p, c, gap, t in rows], device=self.device
+        )
+        pos = torch.tensor(
+            [[0] * gap + list(range(c, c + len(t))) for _, c, gap, t in rows], device=self.device
+        )
+        self.stats["prefill_tokens"] += sum(map(len, rest))
         logits = self._forward(ids, mask, pos, cache)
-        lengths = torch.tensor([n], device=self.device)
+        lengths = torch.tensor([len(r.prompt_ids) for r, _, _ in hits], device=self.device)
         batch = _Batch(
-            rows=[req], cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=lengths
+            rows=[r for r, _, _ in hits],
+            cache=cache,
+            mask=mask,
+            next_ids=torch.zeros_like(lengths),
+            next_pos=lengths,
         )
         return self._sample_step(batch, logits)
 
@@ -627,16 +637,13 @@ class TransformersEngine:
 
     def _keep_prefix(self, batch: _Batch, i: int) -> None:
         """Offer row i's KV (its prompt and completion but the last token, which never ran) to the
-        prefix cache; its real tokens are the last n positions of its cache row."""
+        prefix cache: the positions its mask marks real (indexing copies them out of the batch)."""
         row = batch.rows[i]
         tokens = row.prompt_ids + row.completion_ids[:-1]
-        n = int(batch.mask[i].sum())
-        if n != len(tokens):  # never expected; a wrong entry would corrupt later prompts
+        real = batch.mask[i].nonzero().squeeze(-1)  # padding may lie between cached and new tokens
+        if len(real) != len(tokens):  # never expected; a wrong entry would corrupt later prompts
             return
-        kv = [
-            (la.keys[i : i + 1, :, -n:].clone(), la.values[i : i + 1, :, -n:].clone())
-            for la in _kv_layers(batch.cache)
-        ]
+        kv = [(la.keys[i : i + 1, :, real], la.values[i : i + 1, :, real]) for la in _kv_layers(batch.cache)]
         self.prefix_cache.insert(tokens, kv)
 
     def _end(self, row: _Request, tok: int) -> tuple[FinishReason, str | int | None] | None:
