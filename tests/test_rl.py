@@ -223,7 +223,7 @@ def test_ppo_epochs_reuse_every_sample_and_the_clip_bounds_the_later_updates(
 
 
 def test_ptx_term_pulls_each_update_toward_the_demonstrations(
-    tiny_model_dir: Path, engine_and_prompts: Any
+    tiny_model_dir: Path, engine_and_prompts: Any, tmp_path: Path
 ) -> None:
     """The same RL step with and without the SFT-loss term: with it, the demonstrations' loss
     falls further, and the step reports it; without demonstrations the term is refused."""
@@ -262,6 +262,12 @@ def test_ptx_term_pulls_each_update_toward_the_demonstrations(
         Trainer(tiny_model_dir, TrainerConfig(ptx_coef=1.0), group_size=2)
     with pytest.raises(ValueError, match="ptx_data"):
         ptx_demonstrations(TrainOptions(model=str(tiny_model_dir), out=Path("x"), trainer=cfg))
+    with_image = tmp_path / "images.jsonl"
+    row = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "image_digests": ["d" * 64]}
+    with_image.write_text(json.dumps(row) + "\n")
+    opts = TrainOptions(model=str(tiny_model_dir), out=tmp_path, ptx_data=str(with_image), trainer=cfg)
+    with pytest.raises(ValueError, match="images are not supported"):
+        ptx_demonstrations(opts)
 
 
 def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engine_and_prompts: Any) -> None:

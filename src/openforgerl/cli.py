@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from openforgerl.engines.base import PREFIX_CACHE_MB
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="openforgerl")
@@ -113,7 +115,7 @@ def _upstream_specs(upstreams: Sequence[str], key_envs: Sequence[str], timeout: 
 @click.option(
     "--prefix-cache-mb",
     type=click.FloatRange(min=0.0),
-    default=512.0,
+    default=PREFIX_CACHE_MB,
     show_default=True,
     help="The builtin engine's prefix cache (KV of earlier turns and shared system prompts); 0: off.",
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from openforgerl.engines.base import Engine
+from openforgerl.engines.base import PREFIX_CACHE_MB, Engine
 
 
 def make_engine(
@@ -11,7 +11,7 @@ def make_engine(
     *,
     policy_version: int = 0,
     threads: int | None = None,
-    prefix_cache_mb: float = 512.0,
+    prefix_cache_mb: float = PREFIX_CACHE_MB,
 ) -> Engine:
     """`builtin` (transformers in this process), `vllm:URL` or `sglang:URL`; `policy_version` is the
     version of the weights the engine starts with (its calls carry it until the first load_weights);

@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from openforgerl.images import Image
 
 FinishReason = Literal["stop", "length", "abort"]
+PREFIX_CACHE_MB = 512.0  # the built-in engine's prefix cache unless told otherwise
 
 
 @dataclass(slots=True, frozen=True)

@@ -45,6 +45,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from openforgerl.engines.base import (
+    PREFIX_CACHE_MB,
     ContextLengthExceeded,
     EngineError,
     EngineOverloaded,
@@ -192,7 +193,7 @@ class TransformersEngine:
         max_context: int | None = None,
         policy_version: int = 0,
         threads: int | None = None,
-        prefix_cache_mb: float = 512,
+        prefix_cache_mb: float = PREFIX_CACHE_MB,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")

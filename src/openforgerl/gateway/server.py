@@ -17,7 +17,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from openforgerl.engines import make_engine
-from openforgerl.engines.base import Engine
+from openforgerl.engines.base import PREFIX_CACHE_MB, Engine
 from openforgerl.gateway.app import Gateway
 from openforgerl.gateway.core import GatewayCore
 from openforgerl.gateway.upstream import Upstream, UpstreamSpec
@@ -45,7 +45,7 @@ class GatewayConfig:
     # External models a rollout can be answered by instead of the policy (`"upstream": NAME`).
     upstreams: list[UpstreamSpec] = field(default_factory=list)
     engine_threads: int | None = None  # the built-in engine's CPU threads (None: torch's default)
-    prefix_cache_mb: float = 512.0  # the built-in engine's prefix cache (0: off)
+    prefix_cache_mb: float = PREFIX_CACHE_MB  # the built-in engine's prefix cache (0: off)
 
 
 def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlette, Gateway]:

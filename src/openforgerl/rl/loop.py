@@ -157,7 +157,10 @@ def ptx_demonstrations(opts: TrainOptions) -> list[Sample]:
         raise ValueError("trainer.ptx_coef > 0 needs ptx_data: a file of SFT samples (--ptx-data)")
     from openforgerl.rl.sft import load_sft_data
 
-    return list(load_sft_data(opts.ptx_data, opts.model))
+    samples = list(load_sft_data(opts.ptx_data, opts.model))
+    if any(s.image_digests for s in samples):  # the trainer reads images from the gateway's store
+        raise ValueError(f"{opts.ptx_data}: demonstrations with images are not supported for ptx")
+    return samples
 
 
 def step_tasks(tasks: Sequence[Task], step: int, n: int, seed: int) -> list[Task]:
