@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
-from openforgerl.rl import algos
 from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, passed
 from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
@@ -328,25 +327,13 @@ class SFTTrainer:
     @torch.no_grad()
     def loss(self, samples: Sequence[Sample]) -> float:
         """Mean negative log-likelihood per loss token (no update)."""
-        total = sum(s.num_loss_tokens for s in samples)
-        out = 0.0
-        for chunk in self.policy.micro_batches(samples, self.cfg.micro_batch_tokens):
-            batch = self.policy.collate([samples[i] for i in chunk])
-            out += float(algos.sft_loss(self.policy.logprobs(batch), batch.mask, total))
-        return out
+        return self.policy.sft_loss(samples, self.cfg.micro_batch_tokens)[0]
 
     def train_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One optimizer step on `samples` (accumulated over micro-batches)."""
         t0 = time.monotonic()
         total = sum(s.num_loss_tokens for s in samples)
-        loss_sum = 0.0
-        tokens = 0
-        for chunk in self.policy.micro_batches(samples, self.cfg.micro_batch_tokens):
-            batch = self.policy.collate([samples[i] for i in chunk])
-            loss = algos.sft_loss(self.policy.logprobs(batch), batch.mask, total)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            tokens += batch.real_tokens
+        loss_sum, tokens = self.policy.sft_loss(samples, self.cfg.micro_batch_tokens, backward_scale=1.0)
         lr = self.policy.optimizer.param_groups[0]["lr"]
         grad_norm = self.policy.clip_and_step(self.cfg.max_grad_norm)
         if self.scheduler is not None:

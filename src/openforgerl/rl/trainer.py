@@ -365,6 +365,23 @@ class Policy:
                         out[i][pos + 1] = float(lp[row, col])
         return out
 
+    def sft_loss(
+        self, samples: Sequence[Sample], budget: int, backward_scale: float | None = None
+    ) -> tuple[float, int]:
+        """The SFT loss of `samples` (mean negative log-likelihood per loss token, at temperature 1)
+        over micro-batches within `budget` padded tokens, and the real tokens they held; with
+        `backward_scale`, the gradient of backward_scale x that loss is accumulated as well."""
+        total = sum(s.num_loss_tokens for s in samples)
+        loss_sum, tokens = 0.0, 0
+        for chunk in self.micro_batches(samples, budget):
+            batch = self.collate([samples[i] for i in chunk])
+            loss = algos.sft_loss(self.logprobs(batch, temperature=1.0), batch.mask, total)
+            if backward_scale is not None:
+                (backward_scale * loss).backward()
+            loss_sum += float(loss.detach())
+            tokens += batch.real_tokens
+        return loss_sum, tokens
+
     def clip_and_step(self, max_grad_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
         self.optimizer.step()
@@ -598,14 +615,7 @@ class Trainer:
         """Accumulate ptx_coef x the SFT loss of `ptx_batch` demonstrations; returns the SFT loss."""
         batch_size = min(self.cfg.ptx_batch, len(self.demonstrations))
         demos = rng.sample(self.demonstrations, batch_size)
-        total = sum(s.num_loss_tokens for s in demos)
-        out = 0.0
-        for chunk in self.policy.micro_batches(demos, self.cfg.micro_batch_tokens):
-            batch = self.policy.collate([demos[i] for i in chunk])
-            loss = algos.sft_loss(self.policy.logprobs(batch, temperature=1.0), batch.mask, total)
-            (self.cfg.ptx_coef * loss).backward()
-            out += float(loss.detach())
-        return out
+        return self.policy.sft_loss(demos, self.cfg.micro_batch_tokens, self.cfg.ptx_coef)[0]
 
     @torch.no_grad()
     def _old_logprobs(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
