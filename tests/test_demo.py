@@ -39,7 +39,8 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     assert report["sft"]["val_samples"] == 2
     assert report["sft"]["val_loss_after"] < report["sft"]["val_loss_before"]
 
-    # Three evaluations on held-out tasks only, each with n runs per task and an interval.
+    # Three evaluations on held-out tasks only, each with n runs per task and an interval, and
+    # beside each a greedy one: one run per task at temperature 0.
     assert list(report["evaluations"]) == ["before", "sft", "rl"]
     families = [t.metadata["family"] for t in load_tasks("tools-tiny", split="heldout")[:2]]
     for name, ev in report["evaluations"].items():
@@ -49,6 +50,9 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
         # Per task family: the two tasks' families, one task each.
         assert {f: v["tasks"] for f, v in ev["by_family"].items()} == {f: 1 for f in families}, name
+        greedy = json.loads((out / "eval" / f"{name}-greedy" / "report.json").read_text())
+        assert greedy["rollouts"] == 2 and greedy["temperature"] == 0.0, name
+        assert ev["greedy pass@1"]["estimate"] == greedy["summary"]["pass@k"]["1"]["estimate"]
 
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
@@ -62,6 +66,7 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         "| before SFT |",
         "| after SFT |",
         "| after RL (GRPO) |",
+        "| greedy pass@1 (1 run per task) |",
         "![reward curve](reward_curve.png)",
         "held-out teacher trajectories (never trained on) ",
         "| model | " + " | ".join(f"{f} (1)" for f in sorted(families)) + " |",

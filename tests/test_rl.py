@@ -23,14 +23,16 @@ import torch
 
 from openforgerl.engines.base import SamplingParams
 from openforgerl.engines.transformers_engine import TransformersEngine
-from openforgerl.rl import algos
+from openforgerl.rl import algos, loop
 from openforgerl.rl.loop import (
     Prefetcher,
     StepRollouts,
     TrainOptions,
     _train_on,
+    collect_step,
     lag_bound,
     load_options,
+    mixed_groups,
     ptx_demonstrations,
     step_tasks,
     train,
@@ -49,6 +51,7 @@ from openforgerl.rl.trainer import (
     micro_batches,
     select_groups,
 )
+from openforgerl.runner import RolloutResult, Status
 from openforgerl.tasks import load_tasks
 from openforgerl.tasks.suites.tools_tiny import oracle
 from openforgerl.trajectory import NO_VERSION, Sample
@@ -600,6 +603,102 @@ def test_skip_tasks_keeps_rl_off_the_tasks_the_sft_teacher_solved(tmp_path: Path
     assert training_tasks(dataclasses.replace(opts, skip_tasks=0))[0].id in teacher
     with pytest.raises(ValueError, match="after the first 5000"):
         training_tasks(dataclasses.replace(opts, skip_tasks=5000))
+
+
+# ---- dynamic sampling ----------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_draws_batches_until_enough_groups_have_mixed_rewards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opts = TrainOptions(model="m", out=tmp_path, batch_tasks=2, group=4, max_gen_batches=5, seed=3)
+    tasks = training_tasks(opts)
+    batches: list[list[Any]] = []
+    for b in range(3):
+        batches.append(step_tasks(tasks, 7, 2, 3, b, [t for x in batches for t in x]))
+    drawn = [t.id for b in batches for t in b]
+    assert len(set(drawn)) == 6  # a later batch never draws a task again
+    assert batches[0] == step_tasks(tasks, 7, 2, 3)  # the first batch is the step's usual draw
+    # Batch 1: both groups agree; batch 2: one mixed; batch 3: both mixed. An unscored rollout
+    # (infrastructure failure) does not make a group mixed.
+    mixed = {drawn[2], drawn[4], drawn[5]}
+    ran: list[tuple[list[str], Path, str]] = []
+
+    def run_tasks(gw: Any, ts: list[Any], n: int, state_dir: Path, run_id: str, o: Any, **_: Any) -> Any:
+        ran.append(([t.id for t in ts], state_dir, run_id))
+        out = []
+        for t in ts:
+            for i in range(n):
+                reward = float(i % 2) if t.id in mixed else 1.0
+                out.append(RolloutResult(t.id, i, Status.DONE, reward, gateway_rollout_id=f"{t.id}#{i}"))
+            out.append(RolloutResult(t.id, n, Status.INFRA_FAILED, None))
+        return out
+
+    read: list[str] = []
+
+    def recorded(gw: Any, results: list[RolloutResult]) -> list[Rollout]:
+        read.extend(r.task_id for r in results)
+        return [Rollout(r.task_id, r.reward, []) for r in results]
+
+    monkeypatch.setattr(loop, "run_tasks", run_tasks)
+    monkeypatch.setattr(loop, "recorded_rollouts", recorded)
+    got = collect_step(None, opts, tasks, 7)  # type: ignore[arg-type]
+    step_dir = tmp_path / "steps" / "000007"
+    assert ran == [
+        (drawn[0:2], step_dir, f"{tmp_path.name}-step7"),
+        (drawn[2:4], step_dir / "gen-1", f"{tmp_path.name}-step7-gen1"),
+        (drawn[4:6], step_dir / "gen-2", f"{tmp_path.name}-step7-gen2"),
+    ]  # it stopped at 3 of 5 batches: 2 mixed groups were enough
+    assert {r.group for r in got.rollouts} == {drawn[2], drawn[4]}  # the first two mixed groups
+    assert set(read) == {drawn[2], drawn[4]}  # only their calls were read back from the gateway
+    assert len(got.results) == 6 * 5  # every rollout run is counted in the step's outcomes
+    assert got.metrics == {
+        "dynamic/gen_batches": 3,
+        "dynamic/pass_rate_drawn": (3 * 4 + 3 * 2) / 24,  # 3 groups all pass, 3 half
+        "dynamic/groups_drawn": 6,
+        "dynamic/groups_mixed": 3,
+        "dynamic/groups_kept": 2,
+    }
+    assert mixed_groups(got.results) == [drawn[2], drawn[4], drawn[5]]
+    # Off (max_gen_batches 1): one batch, every group goes to the trainer, no dynamic metrics.
+    ran.clear()
+    off = collect_step(None, dataclasses.replace(opts, max_gen_batches=1), tasks, 7)  # type: ignore[arg-type]
+    assert [r[0] for r in ran] == [drawn[0:2]] and len(off.rollouts) == 10 and off.metrics == {}
+
+
+def test_dynamic_sampling_stops_after_max_gen_batches_and_trains_on_no_equal_group(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    # A random model never earns a reward: every group agrees, so each step draws all 3 batches.
+    opts = TrainOptions(
+        model=str(tiny_model_dir),
+        out=run,
+        steps=1,
+        group=2,
+        batch_tasks=1,
+        max_gen_batches=3,
+        skip_tasks=990,
+        max_tokens=8,
+        max_turns=1,
+        concurrency=2,
+        progress=False,
+        trainer=TrainerConfig(lr=1e-3),
+    )
+    summary = train(opts)
+    assert summary["policy_version"] == 0  # nothing with a signal: no update, no new weights
+    (m,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert m["dynamic/gen_batches"] == 3 and m["dynamic/groups_drawn"] == 3
+    assert m["dynamic/groups_mixed"] == 0 and m["dynamic/groups_kept"] == 0
+    assert m["updated"] is False and m["rollouts"] == 0 and sum(m["outcomes"].values()) == 6
+    step = run / "steps" / "000001"
+    done = [_done_rollouts(d / "runner.db") for d in (step, step / "gen-1", step / "gen-2")]
+    assert [len(d) for d in done] == [2, 2, 2]
+    tasks = [{key.split("#")[0] for key in d} for d in done]
+    assert all(len(t) == 1 for t in tasks) and len(set.union(*tasks)) == 3  # three different tasks
+    with pytest.raises(ValueError, match="equal-reward"):
+        bad = dataclasses.replace(opts, out=tmp_path / "bad", trainer=TrainerConfig(drop_zero_variance=False))
+        train(bad)
 
 
 def test_lag_bound_keeps_rollouts_within_max_lag_and_measures_the_lag() -> None:

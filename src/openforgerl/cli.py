@@ -664,6 +664,14 @@ def view(
     show_default=True,
     help="Demonstrations in each update's SFT-loss term.",
 )
+@click.option(
+    "--max-gen-batches",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Dynamic sampling (DAPO): draw up to N batches of --batch-tasks tasks a step until "
+    "--batch-tasks groups have mixed rewards, and train on those alone. 1: off.",
+)
 @click.option("--micro-batch-tokens", type=int, default=8192, show_default=True)
 @click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Per model call.")
@@ -772,6 +780,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             max_lag=1 if kw["max_lag"] is None else kw["max_lag"],
             engine=kw["engine"] or "builtin",
             ptx_data=str(Path(kw["ptx_data"]).resolve()) if kw["ptx_data"] else None,
+            max_gen_batches=kw["max_gen_batches"],
             trainer=TrainerConfig(
                 lr=kw["lr"],
                 estimator=kw["algo"],

@@ -188,6 +188,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
         "network": opts.network,
         "k": k,
         "n": opts.n or k,
+        "temperature": opts.temperature,
         "rollouts": len(results),
         "scored": len(scored),
         "outcomes": dict(collections.Counter(r.outcome or r.status.value for r in results)),

@@ -11,6 +11,7 @@ Run folder:
     run.json                 the options (read back by --resume)
     gateway.db               every recorded call of every step (the trace viewer reads it)
     steps/NNNNNN/runner.db   the runner's state of step N: finished rollouts are never redone
+    steps/NNNNNN/gen-B/      the same for generation batch B of step N (dynamic sampling)
     evals/NNNNNN/runner.db   held-out evaluation after step N (when --eval-every is set)
     checkpoints/step-NNNNNN  HF model + tokenizer + optimizer.pt + trainer_state.json
     metrics.jsonl            one JSON object per step (`step` key); tensorboard/ when installed
@@ -18,6 +19,14 @@ Run folder:
 Resume after a crash (even kill -9): the last checkpoint gives the weights, optimizer and step;
 the next step's runner state keeps its finished rollouts, so none is lost or repeated; a step
 whose checkpoint exists but whose metrics line was not written yet gets it from the checkpoint.
+
+Dynamic sampling (`max_gen_batches` > 1, DAPO's, as veRL's `algorithm.filter_groups`): a group
+whose G rewards are all equal has no advantage to learn from, and from a good SFT model about half
+of them are. A step then draws another batch of tasks (never one it drew already) while fewer than
+`batch_tasks` groups have mixed rewards, up to `max_gen_batches` batches, and trains on the first
+`batch_tasks` mixed groups: each update has as many groups with a signal as tasks asked for. The
+`dynamic/*` metrics count the batches, groups drawn, mixed and kept, and give the pass rate of all
+drawn rollouts (the trainer's own `pass_rate` is of the kept ones).
 
 Overlap (`overlap=True`): a background thread runs the rollouts of the coming steps, in step order,
 while the trainer trains; the rollouts of step s start only once the weights of step
@@ -118,6 +127,11 @@ class TrainOptions:
     engine: str = "builtin"  # builtin, vllm:URL or sglang:URL (see the module docstring)
     # SFT samples (the JSONL `openforge sft` reads) for the trainer's ptx term (trainer.ptx_coef).
     ptx_data: str | None = None
+    # DAPO's dynamic sampling (veRL's filter_groups, max_num_gen_batches): above 1, a step draws
+    # up to this many batches of batch_tasks tasks, until batch_tasks groups have mixed rewards,
+    # and trains on those alone. 1: one batch, every group goes to the trainer (which drops the
+    # equal-reward ones).
+    max_gen_batches: int = 1
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def to_json(self) -> dict[str, Any]:
@@ -163,9 +177,25 @@ def ptx_demonstrations(opts: TrainOptions) -> list[Sample]:
     return samples
 
 
-def step_tasks(tasks: Sequence[Task], step: int, n: int, seed: int) -> list[Task]:
-    """The tasks of `step`: drawn from (seed, step) alone, so a resumed run draws the same ones."""
-    return random.Random(f"{seed}:{step}").sample(list(tasks), min(n, len(tasks)))
+def step_tasks(
+    tasks: Sequence[Task], step: int, n: int, seed: int, batch: int = 0, drawn: Sequence[Task] = ()
+) -> list[Task]:
+    """The tasks of `step`'s generation batch `batch`, none of `drawn`: drawn from (seed, step,
+    batch) alone, so a resumed run draws the same ones."""
+    taken = {t.id for t in drawn}
+    rest = [t for t in tasks if t.id not in taken]
+    rng = random.Random(f"{seed}:{step}" if batch == 0 else f"{seed}:{step}:{batch}")
+    return rng.sample(rest, min(n, len(rest)))
+
+
+def mixed_groups(results: Sequence[RolloutResult]) -> list[str]:
+    """The tasks whose scored rollouts got at least two different rewards, in order of appearance:
+    the groups with a GRPO signal (the trainer drops the others)."""
+    rewards: dict[str, set[float]] = {}
+    for r in results:
+        if r.status == Status.DONE and r.reward is not None:
+            rewards.setdefault(r.task_id, set()).add(r.reward)
+    return [task for task, seen in rewards.items() if len(seen) > 1]
 
 
 class _Cancel:
@@ -329,6 +359,7 @@ class StepRollouts:
     started: float  # wall clock (time.time()): comparable across threads and resumed processes
     ended: float
     seconds: float
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def collect_step(
@@ -338,22 +369,48 @@ def collect_step(
     step: int,
     cancel: _Cancel | None = None,
 ) -> StepRollouts:
-    """Run (or, after a crash, finish) the rollouts of `step` and read back what they recorded."""
+    """Run (or, after a crash, finish) the rollouts of `step` and read back what they recorded.
+
+    With dynamic sampling (`max_gen_batches` > 1) more batches of tasks are drawn, each with its
+    own runner state (steps/N/gen-B), until `batch_tasks` groups have mixed rewards; the first
+    `batch_tasks` of those are kept, and only their calls are read back."""
     started, t0 = time.time(), time.monotonic()
-    tasks = step_tasks(train_tasks, step, opts.batch_tasks, opts.seed)
     state_dir = opts.out / "steps" / f"{step:06d}"
-    results = run_tasks(
-        gw,
-        tasks,
-        opts.group,
-        state_dir,
-        f"{opts.out.name}-step{step}",
-        opts,
-        desc=f"rollouts of step {step}",
-        cancel=cancel,
-    )
-    rollouts = recorded_rollouts(gw, results)
-    return StepRollouts(step, results, rollouts, started, time.time(), time.monotonic() - t0)
+    drawn: list[Task] = []
+    results: list[RolloutResult] = []
+    for batch in range(max(opts.max_gen_batches, 1)):
+        tasks = step_tasks(train_tasks, step, opts.batch_tasks, opts.seed, batch, drawn)
+        if not tasks:
+            break  # every train task is drawn already
+        drawn += tasks
+        results += run_tasks(
+            gw,
+            tasks,
+            opts.group,
+            state_dir / f"gen-{batch}" if batch else state_dir,
+            f"{opts.out.name}-step{step}" + (f"-gen{batch}" if batch else ""),
+            opts,
+            desc=f"rollouts of step {step}" + (f" (batch {batch + 1})" if batch else ""),
+            cancel=cancel,
+        )
+        if opts.max_gen_batches <= 1 or len(mixed_groups(results)) >= opts.batch_tasks:
+            break
+    metrics: dict[str, Any] = {}
+    kept = results
+    if opts.max_gen_batches > 1:
+        mixed = mixed_groups(results)
+        chosen = set(mixed[: opts.batch_tasks])
+        kept = [r for r in results if r.task_id in chosen]
+        scored = [r.reward for r in results if r.status == Status.DONE and r.reward is not None]
+        metrics = {
+            "dynamic/gen_batches": batch + 1,
+            "dynamic/pass_rate_drawn": sum(map(passed, scored)) / len(scored) if scored else 0.0,
+            "dynamic/groups_drawn": len(drawn),
+            "dynamic/groups_mixed": len(mixed),
+            "dynamic/groups_kept": len(chosen),
+        }
+    rollouts = recorded_rollouts(gw, kept)
+    return StepRollouts(step, results, rollouts, started, time.time(), time.monotonic() - t0, metrics)
 
 
 class Prefetcher:
@@ -465,6 +522,13 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary."""
     if opts.max_lag < 0:
         raise ValueError(f"max_lag must be at least 0, not {opts.max_lag}")
+    if opts.max_gen_batches < 1:
+        raise ValueError(f"max_gen_batches must be at least 1, not {opts.max_gen_batches}")
+    if opts.max_gen_batches > 1 and not opts.trainer.drop_zero_variance:
+        raise ValueError(
+            "dynamic sampling (max_gen_batches > 1) keeps mixed groups only: it cannot "
+            "also train on equal-reward groups (drop_zero_variance=False)"
+        )
     _harness(opts)  # an unknown harness fails here, before a model is loaded
     run_dir = opts.out
     if not resume and (run_dir / RUN_FILE).exists():
@@ -582,6 +646,7 @@ def _train_on(
     metrics["time/wait"] = waited
     metrics["rollout_tokens"] = sum(len(s.input_ids) for r in batch.rollouts for s in r.samples)
     metrics["outcomes"] = _count(r.outcome or r.status.value for r in batch.results)
+    metrics.update(batch.metrics)
     t1 = time.monotonic()
     checkpoint = opts.out / "checkpoints" / f"step-{step:06d}"
     trainer.save(checkpoint, metrics=metrics)
