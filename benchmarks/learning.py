@@ -67,8 +67,9 @@ def main() -> None:
     stages = ("before", "sft", "rl")
     summary: dict[str, Any] = {}
     for metric, gain in (("pass@1", "gain/rl_minus_sft"), ("greedy_pass@1", "gain_greedy/rl_minus_sft")):
-        for stage in stages:
-            summary[f"{metric}/{stage}"] = mean_ci([s[metric][stage] or 0.0 for s in seeds])
+        for stage in stages:  # greedy has no "before" (the demo skips it for the untrained model)
+            values = [s[metric][stage] for s in seeds if s[metric][stage] is not None]
+            summary[f"{metric}/{stage}"] = mean_ci(values) if values else None
         summary[gain] = mean_ci([(s[metric]["rl"] or 0.0) - (s[metric]["sft"] or 0.0) for s in seeds])
     phases = sorted({p for s in seeds for p in s["seconds"]})
     summary["seconds"] = {p: statistics.median([s["seconds"].get(p, 0.0) for s in seeds]) for p in phases}
@@ -84,8 +85,9 @@ def main() -> None:
     print("| stage | held-out pass@1 (mean ± 95% CI over seeds) | greedy (one run per task) |")
     print("|---|---:|---:|")
     for stage in stages:
-        v, w = summary[f"pass@1/{stage}"], summary[f"greedy_pass@1/{stage}"]
-        print(f"| {stage} | {v['mean']:.3f} ± {v['ci95']:.3f} | {w['mean']:.3f} ± {w['ci95']:.3f} |")
+        cells = [summary[f"{m}/{stage}"] for m in ("pass@1", "greedy_pass@1")]
+        shown = [f"{v['mean']:.3f} ± {v['ci95']:.3f}" if v else "—" for v in cells]
+        print(f"| {stage} | {shown[0]} | {shown[1]} |")
     g, h = summary["gain/rl_minus_sft"], summary["gain_greedy/rl_minus_sft"]
     print(
         f"| RL − SFT | {g['mean'] * 100:+.1f} ± {g['ci95'] * 100:.1f} points"

@@ -40,7 +40,7 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     assert report["sft"]["val_loss_after"] < report["sft"]["val_loss_before"]
 
     # Three evaluations on held-out tasks only, each with n runs per task and an interval, and
-    # beside each a greedy one: one run per task at temperature 0.
+    # beside those after SFT and after RL a greedy one: one run per task at temperature 0.
     assert list(report["evaluations"]) == ["before", "sft", "rl"]
     families = [t.metadata["family"] for t in load_tasks("tools-tiny", split="heldout")[:2]]
     for name, ev in report["evaluations"].items():
@@ -50,6 +50,9 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
         # Per task family: the two tasks' families, one task each.
         assert {f: v["tasks"] for f, v in ev["by_family"].items()} == {f: 1 for f in families}, name
+        if name == "before":  # the untrained model: no greedy evaluation
+            assert ev["greedy pass@1"] is None and not (out / "eval" / "before-greedy").exists()
+            continue
         greedy = json.loads((out / "eval" / f"{name}-greedy" / "report.json").read_text())
         assert greedy["rollouts"] == 2 and greedy["temperature"] == 0.0, name
         assert ev["greedy pass@1"]["estimate"] == greedy["summary"]["pass@k"]["1"]["estimate"]

@@ -41,12 +41,17 @@ def test_a_bad_write_fails_alone_and_acknowledged_writes_are_durable(tmp_path: P
     assert ids == {f"ro_{i}" for i in range(80)}
 
 
-def test_closed_store_refuses_writes(tmp_path: Path) -> None:
+def test_closed_store_refuses_writes_and_reads(tmp_path: Path) -> None:
     async def go() -> None:
         store = Store(tmp_path / "s.db")
+        await store.create_rollout(row("ro_0", "k0"))
+        assert [r.id for r in await store.list_rollouts()] == ["ro_0"]  # a reader thread's connection
         await store.close()
         with pytest.raises(StoreClosed):
             await store.create_rollout(row("ro_x", "kx"))
+        # A read after close would open a connection that nothing closes: refused the same way.
+        with pytest.raises(StoreClosed):
+            await store.list_rollouts()
 
     asyncio.run(go())
 
@@ -71,7 +76,8 @@ def test_close_folds_the_wal_into_the_database_file_and_leaves_it_alone(tmp_path
     assert path.stat().st_mtime_ns == stamp
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT id FROM rollouts").fetchall() == [("ro_0",)]
-    # A read after close still works, on a connection of its own.
-    late = Store(path)
-    asyncio.run(late.close())
-    assert [r.id for r in asyncio.run(late.list_rollouts())] == ["ro_0"]
+    reopened = Store(path)  # what was written is there for the next store on the file
+    try:
+        assert [r.id for r in asyncio.run(reopened.list_rollouts())] == ["ro_0"]
+    finally:
+        asyncio.run(reopened.close())

@@ -356,9 +356,11 @@ class Store:
     def _reader(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._connect()
-            self._local.conn = conn
-            with self._readers_lock:
+            with self._readers_lock:  # checked under the lock close() takes: no reader outlives it
+                if self._closed:
+                    raise StoreClosed("the store is closed")
+                conn = self._connect()
+                self._local.conn = conn
                 self._readers.append(conn)
         return conn
 
@@ -566,7 +568,7 @@ class Store:
         # file would change under a caller that thinks the store is done with it).
         with self._readers_lock:
             readers, self._readers = self._readers, []
-            self._local = threading.local()  # a read after close opens a new connection
+            self._local = threading.local()  # a read after close finds no connection: StoreClosed
         for conn in readers:
             conn.close()
 

@@ -559,7 +559,7 @@ class Gemini:
         ]
 
     def owns_path(self, path: str) -> bool:
-        return re.match(r"(?:/r/[^/]+)?/(?:v1beta/|v1/models/.*:)", path) is not None
+        return re.match(r"(?:/r/[^/]+)?/(?:v1beta(?:/|$)|v1/models/.*:)", path) is not None
 
     def error_response(self, err: GatewayError) -> Response:
         return JSONResponse(error_body(err), status_code=_http_status(err), headers=err.headers())
