@@ -31,7 +31,10 @@ from openforgerl.tasks import load_tasks
 SETTINGS = {"on": 512.0, "off": 0.0}  # prefix_cache_mb
 
 
-def one_run(model: str, tasks: list[Any], group: int, cache_mb: float, out: Path) -> dict[str, Any]:
+def one_run(
+    model: str, tasks: list[Any], group: int, cache_mb: float, out: Path, concurrency: int = 8
+) -> dict[str, Any]:
+    """One RL step's rollouts (`group` of each task) on a fresh engine; throughput and engine counts."""
     engine = TransformersEngine(model, prefix_cache_mb=cache_mb)
     opts = EvalOptions(
         tasks="tools-tiny",
@@ -41,7 +44,7 @@ def one_run(model: str, tasks: list[Any], group: int, cache_mb: float, out: Path
         temperature=0.7,
         max_tokens=128,
         max_turns=6,
-        concurrency=8,
+        concurrency=concurrency,
         progress=False,
     )
     t0 = time.perf_counter()

@@ -22,40 +22,20 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from openforgerl.engines.transformers_engine import TransformersEngine
-from openforgerl.evaluate import EvalOptions, run_rollouts
-from openforgerl.runner import Status
+import prefix_cache  # the same workload, run by the benchmark beside this one
+from openforgerl.engines.base import PREFIX_CACHE_MB
 from openforgerl.tasks import load_tasks
 
 
 def one_run(model: str, tasks: list[Any], group: int, concurrency: int, out: Path) -> dict[str, Any]:
-    engine = TransformersEngine(model)
-    opts = EvalOptions(
-        tasks="tools-tiny",
-        model=model,
-        out=out,
-        n=group,
-        temperature=0.7,
-        max_tokens=128,
-        max_turns=6,
-        concurrency=concurrency,
-        progress=False,
-    )
-    t0 = time.perf_counter()
-    results, _ = run_rollouts(opts, engine, tasks)
-    wall = time.perf_counter() - t0
-    passes, rows = engine.stats["steps"], engine.stats["tokens"]
-    return {
-        "rollouts": len(results),
-        "passed": sum(1 for r in results if r.status == Status.DONE and r.reward == 1.0),
-        "wall_s": round(wall, 2),
-        "rollouts_per_min": round(60 * len(results) / wall, 1),
-        "forward_passes": passes,
-        "rows_per_pass": round(rows / passes, 2) if passes else 0.0,
+    r = prefix_cache.one_run(model, tasks, group, PREFIX_CACHE_MB, out, concurrency=concurrency)
+    passes = r["forward_passes"]
+    keep = ("rollouts", "passed", "wall_s", "rollouts_per_min", "forward_passes")
+    return {k: r[k] for k in keep} | {
+        "rows_per_pass": round(r["decoded_tokens"] / passes, 2) if passes else 0.0
     }
 
 
