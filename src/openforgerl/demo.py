@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -75,9 +76,9 @@ class DemoConfig:
     greedy_eval: bool = True
     max_tokens: int = 128  # per model call: the longest turn (the counted 9 + 9, then the write) takes 110
     max_turns: int = 6
-    # Rollouts in flight: the built-in engine decodes the calls that wait together, so 16 gives each
-    # forward pass more rows (an RL step's 48 rollouts: 1.16-1.55x rollouts/min over 8, step_concurrency.py).
-    concurrency: int = 16
+    # Rollouts in flight. 16 decodes twice the rows per forward pass, but did not speed the RL loop
+    # on 2 cores (benchmarks/README.md, "Runner concurrency on an RL step").
+    concurrency: int = 8
     overlap: bool = False  # RL: rollouts of step t+1 run while step t trains (policy lag <= 1)
     progress: bool = True
 
@@ -192,7 +193,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
                 f"eval-{key}",
                 report_file.exists(),
                 seconds,
-                lambda key=key, greedy=greedy: evaluate_model(cfg, model, key, greedy),  # type: ignore[misc]
+                functools.partial(evaluate_model, cfg, model, key, greedy),
             )
             evals[key] = json.loads(report_file.read_text())
             save_timings()
