@@ -57,6 +57,13 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         assert greedy["rollouts"] == 2 and greedy["temperature"] == 0.0, name
         assert ev["greedy pass@1"]["estimate"] == greedy["summary"]["pass@k"]["1"]["estimate"]
 
+    # RL's gain over SFT, paired by task: the mean change, inside its interval.
+    for metric in ("pass@1", "greedy pass@1"):
+        gain = report["rl_minus_sft"][metric]
+        ev = report["evaluations"]
+        assert gain["estimate"] == pytest.approx(ev["rl"][metric]["estimate"] - ev["sft"][metric]["estimate"])
+        assert -1.0 <= gain["low"] <= gain["estimate"] <= gain["high"] <= 1.0
+
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
     for r in report["rl_steps"]:  # the table's "groups dropped" column reads the trainer's own count
@@ -70,6 +77,8 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         "| after SFT |",
         "| after RL (GRPO) |",
         "| greedy pass@1 (1 run per task) |",
+        "RL over SFT on held-out pass@1: ",
+        "RL over SFT on held-out greedy pass@1: ",
         "![reward curve](reward_curve.png)",
         "held-out teacher trajectories (never trained on) ",
         "| model | " + " | ".join(f"{f} (1)" for f in sorted(families)) + " |",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from openforgerl.eval_stats import by_tag, group_runs, pass_at_k, pass_hat_k, summarize
+from openforgerl.eval_stats import by_tag, group_runs, paired_difference, pass_at_k, pass_hat_k, summarize
 
 
 @st.composite
@@ -94,6 +94,31 @@ def test_intervals_are_seeded_and_plausible() -> None:
     assert wide.mean_reward.high - wide.mean_reward.low == pytest.approx(
         2 * 1.96 * math.sqrt(p * (1 - p) / 400), rel=0.1
     )
+
+
+def test_paired_difference_is_the_mean_change_with_a_narrower_interval_than_two_separate_ones() -> None:
+    before = {"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.25}
+    after = {"d": 0.5, "c": 0.5, "b": 1.0, "a": 1.0}  # matched by task, not by order
+    d = paired_difference(before, after, n_bootstrap=2000)
+    assert d.estimate == pytest.approx((0 + 1 + 0 + 0.25) / 4)
+    assert 0.0 <= d.low <= d.estimate <= d.high <= 1.0  # no task got worse: no resample is below 0
+    same = paired_difference(before, before, n_bootstrap=200)
+    assert same.estimate == same.low == same.high == 0.0
+    # 200 tasks of very different difficulty, each a little better after: pairing sees the change
+    # clearly where the two separate intervals overlap.
+    rng = np.random.default_rng(0)
+    base = {f"t{i}": float(x) for i, x in enumerate(rng.uniform(0.0, 0.9, size=200))}
+    better = {t: v + 0.05 for t, v in base.items()}
+    paired = paired_difference(base, better, n_bootstrap=2000)
+    assert paired.estimate == pytest.approx(0.05) and paired.low > 0.0
+    apart = [
+        summarize({t: [v] for t, v in runs.items()}, n_bootstrap=2000).mean_reward for runs in (base, better)
+    ]
+    assert apart[0].high > apart[1].low  # separately, the two intervals overlap
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_difference(before, {"a": 1.0})
+    with pytest.raises(ValueError, match="no tasks"):
+        paired_difference({}, {})
 
 
 def test_errors() -> None:

@@ -273,6 +273,23 @@ def _interval(summary: dict[str, Any] | None, key: str, k: int | str) -> dict[st
     return summary[key].get(str(k)) if key != "mean_reward" else summary["mean_reward"]
 
 
+def _paired_gain(evals: dict[str, dict[str, Any]], before: str, after: str) -> dict[str, float] | None:
+    """pass@1 of `after` minus `before`, paired by task, with its 95% bootstrap interval."""
+    from openforgerl.eval_stats import paired_difference
+
+    a, b = (evals.get(k, {}).get("summary") for k in (before, after))
+    if not a or not b:
+        return None
+
+    def per_task(summary: dict[str, Any]) -> dict[str, float]:
+        return {t["task_id"]: t["pass@k"]["1"] for t in summary["per_task"]}
+
+    try:
+        return paired_difference(per_task(a), per_task(b)).as_dict()
+    except ValueError:  # not the same tasks (an evaluation from another run folder)
+        return None
+
+
 def build_report(
     cfg: DemoConfig, evals: dict[str, dict[str, Any]], seconds: dict[str, float]
 ) -> dict[str, Any]:
@@ -301,6 +318,11 @@ def build_report(
         }
     return {
         "suite": SUITE,
+        # RL's gain over SFT, paired by task: the evaluations' shared task difficulty drops out.
+        "rl_minus_sft": {
+            "pass@1": _paired_gain(evals, "sft", "rl"),
+            "greedy pass@1": _paired_gain(evals, "sft-greedy", "rl-greedy"),
+        },
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
         "evaluations": phases,
         "sft": sft_summary,
@@ -390,10 +412,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{_fmt(ev['mean_reward'])} | {ev['rollouts']} | {_fmt(ev.get('greedy pass@1'))} |"
         )
     evs = report["evaluations"]
-    for label, metric in (("pass@1", "pass@1"), ("greedy pass@1", "greedy pass@1")):
-        if all(evs.get(k, {}).get(metric) for k in ("sft", "rl")):
-            gain = evs["rl"][metric]["estimate"] - evs["sft"][metric]["estimate"]
-            lines += ["", f"RL over SFT on held-out {label}: {gain * 100:+.1f} points."]
+    for metric, gain in report.get("rl_minus_sft", {}).items():
+        if gain:
+            lines += [
+                "",
+                f"RL over SFT on held-out {metric}: {gain['estimate'] * 100:+.1f} points (paired by task, "
+                f"95% interval {gain['low'] * 100:+.1f} to {gain['high'] * 100:+.1f}).",
+            ]
     tasks = {f: v["tasks"] for ev in evs.values() for f, v in ev.get("by_family", {}).items()}
     if tasks:
         lines += [

@@ -215,6 +215,28 @@ def summarize(
     )
 
 
+def paired_difference(
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    *,
+    confidence: float = 0.95,
+    n_bootstrap: int = 10_000,
+    seed: int = 0,
+) -> Interval:
+    """The mean over tasks of `after - before` (per-task figures of two evaluations on the same
+    tasks, e.g. pass@1 after SFT and after RL) with a percentile bootstrap interval over tasks.
+
+    Pairing removes what the tasks share (an easy task is easy for both models), so the interval
+    is of the change itself: far narrower than comparing two intervals of separate means."""
+    if set(before) != set(after):
+        raise ValueError("a paired difference needs the same tasks in both evaluations")
+    if not before:
+        raise ValueError("no tasks to compare")
+    diffs = np.array([[after[t] - before[t]] for t in sorted(before)])
+    ((low, high),) = bootstrap_means(diffs, confidence, n_bootstrap, seed)
+    return Interval(float(diffs.mean()), low, high)
+
+
 def by_tag(summary: EvalSummary, tags: Mapping[str, Sequence[str]]) -> dict[str, dict[str, Any]]:
     """Per tag (e.g. a suite's task family): its tasks, runs, mean reward and pass@k (the mean of
     its tasks' values, as overall). Tags that every task carries say nothing beyond the overall
