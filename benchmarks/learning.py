@@ -49,6 +49,8 @@ def one_seed(seed: int, root: Path, quick: bool, overlap: bool) -> dict[str, Any
         "greedy_pass@1": {
             k: v["greedy pass@1"]["estimate"] if v.get("greedy pass@1") else None for k, v in ev.items()
         },
+        # RL - SFT paired by task within this seed, with its bootstrap interval over tasks.
+        "rl_minus_sft_paired": report.get("rl_minus_sft"),
         "seconds": report["seconds"],
         "total_seconds": report["total_seconds"],
         "trainer_tokens_per_s": report["trainer_tokens_per_s"],
@@ -93,6 +95,16 @@ def main() -> None:
         f"| RL − SFT | {g['mean'] * 100:+.1f} ± {g['ci95'] * 100:.1f} points"
         f" | {h['mean'] * 100:+.1f} ± {h['ci95'] * 100:.1f} points |"
     )
+    print()
+    print("| seed | RL − SFT, paired by task (95% interval), points | greedy |")
+    print("|---:|---|---|")
+    for s in seeds:
+        paired = s["rl_minus_sft_paired"] or {}
+        shown = [
+            f"{g['estimate'] * 100:+.1f} ({g['low'] * 100:+.1f} to {g['high'] * 100:+.1f})" if g else "—"
+            for g in (paired.get("pass@1"), paired.get("greedy pass@1"))
+        ]
+        print(f"| {s['seed']} | {shown[0]} | {shown[1]} |")
 
 
 if __name__ == "__main__":
