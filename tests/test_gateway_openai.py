@@ -16,6 +16,7 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
 from openforgerl.engines.transformers_engine import TransformersEngine
+from openforgerl.sampling import derive_seed
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
 TOOLS: Any = [
@@ -206,6 +207,36 @@ def test_sampling_policy_overrides_and_clamps(tiny_model_dir: Path, tmp_path: Pa
     assert call["sampling_used"]["top_p"] == 1.0
     assert call["sampling_used"]["max_tokens"] == 5
     assert set(call["sampling_used"]["overridden"]) == {"temperature", "top_p", "max_tokens"}
+
+
+def test_a_rollout_seed_fixes_each_call_sampling(real_gateway: Any) -> None:
+    """Seeded rollouts (what a seeded evaluation creates): call k samples with derive_seed(seed, k)
+    whatever the harness asks, so the same seed repeats the same tokens at temperature 1."""
+
+    def two_calls(rollout: dict[str, Any], **extra: Any) -> list[dict[str, Any]]:
+        client = client_for(rollout)
+        for _ in range(2):  # the same prompt twice
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}], **extra)
+        return calls_of(real_gateway, rollout["rollout_id"])
+
+    first = two_calls(new_rollout(real_gateway, sampling={"seed": 7}))
+    again = two_calls(new_rollout(real_gateway, sampling={"seed": 7}), seed=123)
+    other = two_calls(new_rollout(real_gateway, sampling={"seed": 8}))
+    unseeded = two_calls(new_rollout(real_gateway), seed=123)
+    assert [c["sampling_used"]["seed"] for c in first] == [derive_seed(7, 0), derive_seed(7, 1)]
+    assert [c["completion_ids"] for c in again] == [c["completion_ids"] for c in first]
+    assert again[0]["sampling_requested"]["seed"] == 123 and "seed" in again[0]["sampling_used"]["overridden"]
+    assert all(len(c["completion_ids"]) > 5 for c in first + other)
+    assert [c["completion_ids"] for c in other] != [c["completion_ids"] for c in first]
+    assert first[0]["completion_ids"] != first[1]["completion_ids"]  # each call its own seed
+    assert [c["sampling_used"]["seed"] for c in unseeded] == [123, 123]  # no rollout seed: the harness's
+
+    bad = httpx.post(
+        real_gateway.url + "/admin/rollouts",
+        json={"sampling": {"seed": "7"}},
+        headers=real_gateway.admin_headers,
+    )
+    assert bad.status_code == 400 and "seed must be an integer" in bad.text
 
 
 def test_64_concurrent_rollouts_are_isolated(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from openforgerl.evaluate import EvalOptions, run_eval
+from openforgerl.evaluate import EvalOptions, run_eval, run_rollouts
 from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig, Status, react_harness
 from openforgerl.sandbox import SandboxSpec, SandboxStartError
 from openforgerl.sandbox.local import LocalBackend
@@ -87,6 +87,39 @@ def test_eval_with_the_oracle_policy_scores_every_task(tiny_model_dir: Path, tmp
     assert len(families) > 1 and set(report["by_tag"]) == families
     assert all(v["pass@k"]["1"] == 1.0 and v["runs"] == 2 * v["tasks"] for v in report["by_tag"].values())
     assert "| tag | tasks |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_seeded_evaluation_repeats_exactly_and_each_run_of_a_task_has_its_own_seed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The real engine at temperature 1 with 4 rollouts in flight (batched decoding): the same seed
+    gives the same tokens for every (task, run); another seed and another run of a task do not."""
+
+    def tokens(seed: int, out: str) -> dict[tuple[str, int], list[list[int]]]:
+        opts = EvalOptions(
+            tasks="tools-tiny",
+            split="heldout",
+            limit=2,
+            n=2,
+            model=str(tiny_model_dir),
+            out=tmp_path / out,
+            max_tokens=12,
+            max_turns=2,
+            temperature=1.0,
+            seed=seed,
+            progress=False,
+        )
+        results, recorded = run_rollouts(opts)  # the embedded gateway's own TransformersEngine
+        assert len(results) == 4 and all(r.status == Status.DONE for r in results)
+        return {
+            (r.task_id, r.sample): [c["completion_ids"] for c in recorded[r.gateway_rollout_id]["calls"]]
+            for r in results
+        }
+
+    first, again, other = tokens(3, "a"), tokens(3, "b"), tokens(4, "c")
+    assert first == again
+    assert all(first[key] != other[key] for key in first)
+    assert all(first[(task, 0)] != first[(task, 1)] for task, _ in first)
 
 
 @pytest.mark.parametrize(

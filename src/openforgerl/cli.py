@@ -442,6 +442,15 @@ def _rollout_options(fn: Any) -> Any:
             help="Sampling temperature (embedded gateway; 0: greedy).",
         ),
         click.option(
+            "--seed",
+            type=int,
+            default=None,
+            help="Seeded sampling: every run of a task samples from its own seed, so the same weights "
+            "give the same rollouts, and two models evaluated with one seed meet the same random "
+            "numbers (a paired comparison with far less noise). The engine must honour seeds "
+            "(the built-in one and vLLM do).",
+        ),
+        click.option(
             "--on-failure",
             type=click.Choice(["zero", "drop", "verify"]),
             default="zero",
@@ -499,6 +508,7 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
         max_turns=kw["max_turns"],
         max_steps=kw["max_steps"],
         temperature=kw["temperature"],
+        seed=kw["seed"],
         on_failure=kw["on_failure"],
         out=Path(kw["out"] or default_out),
         network=kw["network"],

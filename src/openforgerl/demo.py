@@ -121,6 +121,9 @@ def evaluate_model(cfg: DemoConfig, model_dir: Path, name: str, greedy: bool = F
         k=n,
         n=n,
         temperature=0.0 if greedy else cfg.temperature,
+        # One seed for every model: each stage meets the same random numbers, so RL - SFT per task
+        # measures the models, not the draw (two unseeded evaluations of one model differed by 7.5 points).
+        seed=cfg.seed,
         max_tokens=cfg.max_tokens,
         max_turns=cfg.max_turns,
         concurrency=cfg.concurrency,

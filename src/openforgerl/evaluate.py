@@ -61,6 +61,7 @@ class EvalOptions:
     max_turns: int = 12
     max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
     temperature: float = 1.0
+    seed: int | None = None  # seeded sampling (RunnerConfig.seed): reproducible, paired evaluations
     on_failure: OnFailure = "zero"
     out: Path = Path("runs/eval")
     run_id: str = ""
@@ -125,6 +126,7 @@ def run_rollouts(
             concurrency=opts.concurrency,
             on_failure=opts.on_failure,
             network=opts.network,
+            seed=opts.seed,
         )
         bar = tqdm(total=len(tasks) * n, desc="rollouts", unit="rollout", disable=not opts.progress)
 
@@ -189,6 +191,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
         "k": k,
         "n": opts.n or k,
         "temperature": opts.temperature,
+        "seed": opts.seed,
         "rollouts": len(results),
         "scored": len(scored),
         "outcomes": dict(collections.Counter(r.outcome or r.status.value for r in results)),

@@ -38,6 +38,7 @@ import httpx
 
 from openforgerl.gui_agent import EXIT_INFRA as GUI_EXIT_INFRA
 from openforgerl.harnesses.base import Harness
+from openforgerl.sampling import derive_seed
 from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
 from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
 from openforgerl.tasks.verify import (
@@ -258,6 +259,10 @@ class RunnerConfig:
     infra_retries: int = 2
     on_failure: OnFailure = "zero"
     sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
+    # Seeded sampling: rollout (task, sample) samples with seeds drawn from (seed, task id, sample),
+    # whatever the weights, so an evaluation repeats exactly and two models meet the same random
+    # numbers (their per-task difference is far less noisy). None: unseeded, as RL rollouts must be.
+    seed: int | None = None
     limits: Limits = field(default_factory=lambda: Limits(memory_bytes=2 << 30, cpus=1.0, pids=512))
     ro_binds: list[str] = field(default_factory=python_binds)
     # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
@@ -369,6 +374,11 @@ class Runner:
         self.state.save(r)
         return r
 
+    def _sampling(self, task: Task, sample: int) -> dict[str, Any]:
+        if self.cfg.seed is None:
+            return self.cfg.sampling
+        return {**self.cfg.sampling, "seed": derive_seed(self.cfg.seed, task.id, sample)}
+
     async def _attempt(self, task: Task, r: RolloutResult) -> RolloutResult:
         t0 = time.monotonic()
         resp = await self._admin.post(
@@ -377,7 +387,7 @@ class Runner:
                 "run_id": self.cfg.run_id,
                 "task_id": task.id,
                 "metadata": {"sample": r.sample, "attempt": r.attempts},
-                "sampling": self.cfg.sampling,
+                "sampling": self._sampling(task, r.sample),
             },
         )
         resp.raise_for_status()

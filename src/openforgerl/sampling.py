@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -14,13 +15,16 @@ class SamplingPolicy:
     """None leaves the harness's choice (or the default) in place.
 
     temperature/top_p override what the harness asks (RL needs the training distribution);
-    max_tokens is a cap and the default; max_context bounds prompt + completion.
+    max_tokens is a cap and the default; max_context bounds prompt + completion. seed, a rollout's
+    own: call k of the rollout samples with `derive_seed(seed, k)` whatever the harness asks, so the
+    same weights give the same rollout and two models sample on the same random numbers.
     """
 
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     max_tokens: int = 1024
     max_context: int | None = None
+    seed: int | None = None
 
     def merged(self, override: dict[str, Any] | None) -> SamplingPolicy:
         """This policy with a rollout's own settings on top."""
@@ -30,6 +34,9 @@ class SamplingPolicy:
         unknown = set(override) - known
         if unknown:
             raise ValueError(f"unknown sampling settings: {sorted(unknown)}; known: {sorted(known)}")
+        seed = override.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"sampling seed must be an integer, not {seed!r}")
         return SamplingPolicy(**{**asdict(self), **override})
 
     def resolve(
@@ -40,8 +47,10 @@ class SamplingPolicy:
         stop_token_ids: tuple[int, ...],
         response_format: dict[str, Any] | None = None,
         structured_outputs: bool = False,
+        call: int = 0,
     ) -> tuple[SamplingParams, dict[str, Any]]:
-        """The parameters to sample with, and a record of them and of what was overridden.
+        """The parameters to sample with (`call`: the call's place in its rollout, from 0), and a
+        record of them and of what was overridden.
 
         Raises ValueError when the prompt leaves no room for a single completion token.
         """
@@ -63,13 +72,18 @@ class SamplingPolicy:
         max_tokens = min(req.max_tokens or self.max_tokens, self.max_tokens, room)
         if req.max_tokens is not None and max_tokens < req.max_tokens:
             overridden.append("max_tokens")
+        seed = req.seed
+        if self.seed is not None:
+            seed = derive_seed(self.seed, call)
+            if req.seed is not None:
+                overridden.append("seed")
         params = SamplingParams(
             temperature=temperature,
             top_p=top_p,
             max_tokens=max_tokens,
             stop=tuple(req.stop),
             stop_token_ids=stop_token_ids,
-            seed=req.seed,
+            seed=seed,
             response_format=response_format if structured_outputs else None,
         )
         used = {
@@ -77,9 +91,16 @@ class SamplingPolicy:
             "top_p": top_p,
             "max_tokens": max_tokens,
             "stop": list(req.stop),
-            "seed": req.seed,
+            "seed": seed,
             "max_context": max_context,
             "overridden": overridden,
             "response_format_honoured": bool(response_format) and structured_outputs,
         }
         return params, used
+
+
+def derive_seed(*parts: object) -> int:
+    """A sampling seed in [0, 2**31) that depends only on `parts` (stable across processes, unlike
+    hash()); 31 bits because some engines take the seed as a signed 32-bit integer."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 2**31

@@ -273,6 +273,7 @@ class GatewayCore:
                     # "text" asks for nothing; a JSON object or schema is constrained where possible.
                     conv.response_format if (conv.response_format or {}).get("type") != "text" else None,
                     getattr(self.engine, "supports_response_format", False),
+                    call=session.next_seq,
                 )
             except ValueError as exc:
                 raise context_length_exceeded(prompt_tokens, int(exc.args[0])) from exc
