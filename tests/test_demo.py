@@ -46,7 +46,9 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     for name, ev in report["evaluations"].items():
         assert ev["rollouts"] == 4, name
         assert 0.0 <= ev["pass@1"]["low"] <= ev["pass@1"]["estimate"] <= ev["pass@1"]["high"] <= 1.0
-        runs = json.loads((out / "eval" / name / "report.json").read_text())["summary"]["per_task"]
+        sampled = json.loads((out / "eval" / name / "report.json").read_text())
+        assert sampled["seed"] == cfg.seed, name  # every stage on the same random numbers
+        runs = sampled["summary"]["per_task"]
         assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
         # Per task family: the two tasks' families, one task each.
         assert {f: v["tasks"] for f, v in ev["by_family"].items()} == {f: 1 for f in families}, name

@@ -404,7 +404,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "the ReAct harness in local sandboxes and the recording gateway.",
         "",
         f"Held-out tasks, {n} sampled runs each at temperature {cfg['temperature']:g} (the RL rollouts' "
-        "temperature); 95% bootstrap intervals over tasks.",
+        f"temperature), seeded with {cfg['seed']} for every model: each model meets the same random "
+        "numbers, so a rerun repeats its figures and the differences are the models'. 95% bootstrap "
+        "intervals over tasks.",
         "",
         f"| model | pass@1 | pass^{n} | mean reward | rollouts | greedy pass@1 (1 run per task) |",
         "|---|---:|---:|---:|---:|---:|",
