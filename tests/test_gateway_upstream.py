@@ -26,6 +26,7 @@ from openforgerl.cli import main
 from openforgerl.gateway.export import ExportCounts, chat_rows
 from openforgerl.gateway.upstream import UpstreamSpec, parse_key_env, parse_upstream, with_key_envs
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data
+from openforgerl.sampling import derive_seed
 from openforgerl.store import CallRow, RolloutRow
 from openforgerl.trajectory import build_samples, calls_from_json
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
@@ -157,6 +158,17 @@ def anthropic_episode(rollout: dict[str, Any]) -> list[str]:
         final = stream.get_final_message()
     assert final.stop_reason == "end_turn"
     return [use.id, "".join(b.text for b in final.content if b.type == "text")]
+
+
+def test_a_rollout_seed_reaches_the_upstream_call_by_call(
+    gw: Any, upstream: Any, teacher: dict[str, Any]
+) -> None:
+    """As for the policy: call k of a seeded rollout asks the teacher for derive_seed(seed, k)."""
+    rollout = new_rollout(gw, upstream="t-openai", sampling={"seed": 5})
+    openai_episode(rollout)
+    expected = [derive_seed(5, 0), derive_seed(5, 1)]
+    assert [c["sampling_used"]["seed"] for c in calls_of(gw, rollout["rollout_id"])] == expected
+    assert [c["sampling_requested"]["seed"] for c in calls_of(upstream, teacher["rollout_id"])] == expected
 
 
 EPISODES = {"openai": openai_episode, "anthropic": anthropic_episode}

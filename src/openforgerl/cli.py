@@ -447,7 +447,7 @@ def _rollout_options(fn: Any) -> Any:
             default=None,
             help="Seeded sampling: every run of a task samples from its own seed, so the same weights "
             "give the same rollouts, and two models evaluated with one seed meet the same random "
-            "numbers (a paired comparison with far less noise). The engine must honour seeds "
+            "numbers (a paired comparison with less noise). The engine must honour seeds "
             "(the built-in one and vLLM do).",
         ),
         click.option(

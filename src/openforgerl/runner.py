@@ -261,7 +261,7 @@ class RunnerConfig:
     sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
     # Seeded sampling: rollout (task, sample) samples with seeds drawn from (seed, task id, sample),
     # whatever the weights, so an evaluation repeats exactly and two models meet the same random
-    # numbers (their per-task difference is far less noisy). None: unseeded, as RL rollouts must be.
+    # numbers (their per-task difference is less noisy). None: unseeded, as RL rollouts must be.
     seed: int | None = None
     limits: Limits = field(default_factory=lambda: Limits(memory_bytes=2 << 30, cpus=1.0, pids=512))
     ro_binds: list[str] = field(default_factory=python_binds)

@@ -260,7 +260,7 @@ class GatewayCore:
         body: dict[str, Any] | None = None
         if session.upstream:
             # Input the upstream's API cannot take is refused here, before anything was streamed.
-            body, used = self._upstream(session).request(conv, session.rollout.sampling)
+            body, used = self._upstream(session).request(conv, session.rollout.sampling, session.next_seq)
         else:
             prompt_tokens = len(plan.prompt_ids)
             engine_max = min(self.max_context, getattr(self.engine, "max_context", self.max_context))

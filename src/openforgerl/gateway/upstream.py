@@ -48,6 +48,7 @@ from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request
 from openforgerl.images import Image
 from openforgerl.jsonutil import dumps
 from openforgerl.rendering import PromptPlan, TokenMemory, message_images, message_key, tools_key
+from openforgerl.sampling import derive_seed
 
 UpstreamKind = Literal["openai", "anthropic"]
 KINDS: tuple[UpstreamKind, ...] = ("openai", "anthropic")
@@ -133,10 +134,12 @@ def with_key_envs(specs: list[UpstreamSpec], key_envs: dict[str, str]) -> list[U
 # -- what one call sends and gets ------------------------------------------------------------------
 
 
-def upstream_sampling(req: SamplingRequest, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The harness's sampling with the rollout's own settings on top (max_tokens is a cap)."""
+def upstream_sampling(req: SamplingRequest, overrides: dict[str, Any], call: int = 0) -> dict[str, Any]:
+    """The harness's sampling with the rollout's own settings on top (max_tokens is a cap; a seed
+    gives call `call` of the rollout its own, as for the policy: SamplingPolicy)."""
     temperature = overrides.get("temperature")
     top_p = overrides.get("top_p")
+    seed = overrides.get("seed")
     max_tokens = req.max_tokens
     cap = overrides.get("max_tokens")
     if cap is not None:
@@ -146,7 +149,7 @@ def upstream_sampling(req: SamplingRequest, overrides: dict[str, Any]) -> dict[s
         "top_p": req.top_p if top_p is None else top_p,
         "max_tokens": max_tokens,
         "stop": list(req.stop),
-        "seed": req.seed,
+        "seed": req.seed if seed is None else derive_seed(seed, call),
     }
 
 
@@ -508,9 +511,11 @@ class Upstream:
         """What the record's `engine` says: text-level calls answered by this kind of upstream."""
         return f"upstream:{self.spec.kind}"
 
-    def request(self, conv: Conversation, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def request(
+        self, conv: Conversation, overrides: dict[str, Any], call: int = 0
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The body to send and the record of what it asks for (the call's `sampling_used`)."""
-        sampling = upstream_sampling(conv.sampling, overrides)
+        sampling = upstream_sampling(conv.sampling, overrides, call)
         body = self.translator.request(conv, self.spec, sampling)
         sent = {k: v for k, v in body.items() if k not in ("messages", "tools", "system")}
         return body, {"upstream": self.spec.name, "url": self.spec.url, **sent}
