@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from openforgerl.evaluate import EvalOptions, harness_factory
+from openforgerl.evaluate import EvalOptions, harness_choice
 from openforgerl.gui_agent import History
 from openforgerl.runner import Runner, RunnerConfig, Status, gui_harness, python_binds
 from openforgerl.sandbox import Limits, SandboxSpec
@@ -422,9 +422,9 @@ def test_the_gui_harness_launch_and_eval_choice() -> None:
     )
     with pytest.raises(ValueError, match=r"harness_options\.site or start_url"):
         argv(task.model_copy(update={"harness_options": {}}))
-    assert callable(harness_factory(EvalOptions(tasks="web-basic", harness="gui")))
-    with pytest.raises(ValueError, match="'react' and 'gui'"):
-        harness_factory(EvalOptions(tasks="web-basic", harness="browser"))
+    assert callable(harness_choice(EvalOptions(tasks="web-basic", harness="gui")))
+    with pytest.raises(ValueError, match="unknown harness 'browser'; one of react, gui, claude-code"):
+        harness_choice(EvalOptions(tasks="web-basic", harness="browser"))
 
 
 def test_history_sends_at_most_k_screenshots_and_cuts_them_in_batches() -> None:
@@ -451,7 +451,7 @@ def test_eval_cli_offers_the_gui_harness() -> None:
 
     assert "gui" in CliRunner().invoke(cli, ["eval", "--help"]).output
     bad = CliRunner().invoke(cli, ["eval", "--tasks", "web-basic", "--harness", "browser"])
-    assert bad.exit_code == 2 and "'browser' is not one of 'react', 'gui'" in bad.output
+    assert bad.exit_code == 2 and "unknown harness 'browser'; one of react, gui, " in bad.output
 
 
 # -- the GUI harness in a sandbox, through a real browser ------------------------------------------------

@@ -28,8 +28,8 @@ from openforgerl.engines.base import Engine
 from openforgerl.eval_stats import by_tag, summarize
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.gateway.upstream import UpstreamSpec
+from openforgerl.launch import HarnessChoice, LaunchOptions
 from openforgerl.runner import (
-    HarnessFactory,
     OnFailure,
     RolloutResult,
     Runner,
@@ -37,8 +37,7 @@ from openforgerl.runner import (
     RunNetwork,
     Status,
     check_network,
-    gui_harness,
-    react_harness,
+    python_binds,
 )
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
@@ -111,9 +110,10 @@ def run_rollouts(
 ) -> tuple[list[RolloutResult], Recorded]:
     """Run every selected task (`tasks`, when the caller has them already) n times; returns the
     results and what the gateway recorded."""
-    harness = harness_factory(opts)
+    harness = harness_choice(opts)
     tasks = _select(opts) if tasks is None else tasks
     check_network(tasks, opts.network)  # before the gateway loads a model
+    harness.check(tasks)
     n = opts.n or opts.k
     opts.out.mkdir(parents=True, exist_ok=True)
     run_id = opts.run_id or opts.out.name
@@ -127,6 +127,7 @@ def run_rollouts(
             on_failure=opts.on_failure,
             network=opts.network,
             seed=opts.seed,
+            ro_binds=[*python_binds(), *harness.ro_binds(tasks)],
         )
         bar = tqdm(total=len(tasks) * n, desc="rollouts", unit="rollout", disable=not opts.progress)
 
@@ -149,13 +150,10 @@ def run_rollouts(
     return results, recorded
 
 
-def harness_factory(opts: EvalOptions) -> HarnessFactory:
-    """The built-in harnesses that run in local sandboxes: react (tools) and gui (a browser)."""
-    if opts.harness == "react":
-        return react_harness(opts.max_turns, opts.max_tokens)
-    if opts.harness == "gui":
-        return gui_harness(opts.max_steps, opts.max_tokens)
-    raise ValueError(f"harness {opts.harness!r}: the built-in harnesses are 'react' and 'gui'")
+def harness_choice(opts: EvalOptions) -> HarnessChoice:
+    """The run's harnesses (launch.py): `opts.harness` for tasks that name none of their own."""
+    launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
+    return HarnessChoice(opts.harness, launch)
 
 
 def _recorded(url: str, token: str, results: list[RolloutResult]) -> dict[str, Any]:
@@ -184,9 +182,11 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     summary = summarize(complete, ks=tuple(range(1, k + 1))) if complete else None
     calls = [c for payload in recorded.values() for c in calls_from_json(payload)]
     stats = token_stats(calls) if calls else None
+    choice = harness_choice(opts)
     report: dict[str, Any] = {
         "tasks": opts.tasks,
         "harness": opts.harness,
+        "harness_versions": {name: choice.version(name) for name in choice.names(tasks)},
         "network": opts.network,
         "k": k,
         "n": opts.n or k,
@@ -204,6 +204,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
             "completion": sum(len(c.completion_ids) for c in calls),
             "training": stats.as_dict() if stats else None,
         },
+        "behaviour": behaviour(results, recorded),
         "seconds": round(time.monotonic() - t0, 1),
         "seconds_per_rollout_median": round(
             statistics.median([r.seconds.get("total", 0.0) for r in results] or [0.0]), 2
@@ -213,6 +214,96 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     (opts.out / "report.json").write_text(json.dumps(report, indent=2))
     (opts.out / "report.md").write_text(_markdown(report, summary.to_markdown() if summary else ""))
     return report
+
+
+def behaviour(results: list[RolloutResult], recorded: Recorded) -> dict[str, float]:
+    """How the policy acted inside its harness, per rollout (medians and means over those recorded):
+    model calls of the main conversation (turns), side requests, branches, tokens."""
+    per: list[dict[str, float]] = []
+    for r in results:
+        payload = recorded.get(r.gateway_rollout_id)
+        if payload is None:
+            continue
+        calls = calls_from_json(payload)
+        main = [c for c in calls if not c.side_request]
+        per.append(
+            {
+                "turns": len(main),
+                "side_requests": len(calls) - len(main),
+                "branches": len({c.branch_id for c in main}),
+                "prompt_tokens": sum(len(c.prompt_ids) for c in calls),
+                "completion_tokens": sum(len(c.completion_ids) for c in calls),
+            }
+        )
+    if not per:
+        return {}
+    out: dict[str, float] = {"rollouts": len(per)}
+    for key in per[0]:
+        values = [p[key] for p in per]
+        out[f"{key}_median"] = float(statistics.median(values))
+        out[f"{key}_mean"] = round(statistics.fmean(values), 2)
+    return out
+
+
+def run_study(opts: EvalOptions, harnesses: list[str], engine: Engine | None = None) -> dict[str, Any]:
+    """The harness study: one checkpoint evaluated under each of `harnesses` on the same tasks (and
+    seeds), each into `out/NAME/`, then one side-by-side report (`out/study.json`, `out/study.md`)."""
+    if len(set(harnesses)) != len(harnesses):
+        raise ValueError(f"a harness is named twice in {','.join(harnesses)}")
+    tasks = _select(opts)
+    for name in harnesses:  # every CLI is checked before the first evaluation starts
+        harness_choice(dataclasses.replace(opts, harness=name)).check(tasks)
+    reports = {}
+    for name in harnesses:
+        one = dataclasses.replace(
+            opts, harness=name, out=opts.out / name, run_id=f"{opts.run_id or opts.out.name}-{name}"
+        )
+        reports[name] = run_eval(one, engine)
+    study = {"tasks": opts.tasks, "k": opts.k, "n": opts.n or opts.k, "seed": opts.seed, "harnesses": reports}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "study.json").write_text(json.dumps(study, indent=2))
+    (opts.out / "study.md").write_text(study_markdown(study))
+    return study
+
+
+def _interval(v: dict[str, float] | None) -> str:
+    return f"{v['estimate']:.3f} [{v['low']:.3f}, {v['high']:.3f}]" if v else "-"
+
+
+def study_markdown(study: dict[str, Any]) -> str:
+    k = study["k"]
+    lines = [
+        f"# Harness study: {study['tasks']}, n = {study['n']} runs per task, seed {study['seed']}",
+        "",
+        f"| harness | version | pass@1 (95% CI) | pass^{k} | mean reward | turns | side requests | branches"
+        " | tokens per rollout | training tokens merged / per call | s per rollout | outcomes |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in study["harnesses"].items():
+        summary, b = r["summary"] or {}, r["behaviour"] or {}
+        training = r["tokens"]["training"] or {}
+        tokens = b.get("prompt_tokens_mean", 0) + b.get("completion_tokens_mean", 0)
+        merged = (
+            f"{training['tokens_merged']} / {training['tokens_per_call']} ({training['ratio']:.2f})"
+            if training
+            else "-"
+        )
+        outcomes = ", ".join(f"{o}: {c}" for o, c in sorted(r["outcomes"].items()))
+        scores = [
+            _interval(summary.get("pass@k", {}).get("1")),
+            _interval(summary.get("pass^k", {}).get(str(k))),
+            _interval(summary.get("mean_reward")),
+        ]
+        acts = [str(b.get(f"{key}_mean", "-")) for key in ("turns", "side_requests", "branches")]
+        cells = [name, r["harness_versions"].get(name, ""), *scores, *acts, f"{tokens:.0f}", merged]
+        cells += [str(r["seconds_per_rollout_median"]), outcomes]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "turns, side requests and branches are means per rollout; tokens: prompt + completion per rollout;",
+        "training tokens: merged samples vs one sample per call (the ratio is what merging saves).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def run_and_write_trajectories(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
@@ -238,6 +329,7 @@ def _markdown(report: dict[str, Any], summary_md: str) -> str:
         "",
         f"- rollouts: {report['rollouts']} ({report['scored']} scored), k = {report['k']}, n = {report['n']}",
         f"- outcomes: {', '.join(f'{k}: {v}' for k, v in sorted(report['outcomes'].items()))}",
+        f"- harness: {', '.join(report['harness_versions'].values())}",
         f"- tokens: {report['tokens']['prompt']} prompt, {report['tokens']['completion']} completion",
         f"- time: {report['seconds']} s in all, "
         f"{report['seconds_per_rollout_median']} s per rollout (median)",

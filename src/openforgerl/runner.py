@@ -209,8 +209,9 @@ def gui_harness(
     return launch
 
 
-def cli_harness(harness: Harness, model: str = "policy") -> HarnessFactory:
-    """A real agent CLI (see openforgerl.harnesses) inside the sandbox.
+def cli_harness(harness: Harness, model: str = "policy", max_turns: int | None = None) -> HarnessFactory:
+    """A real agent CLI (see openforgerl.harnesses) inside the sandbox; `max_turns` (or the task's
+    `harness_options.max_turns`) reaches the CLI's own turn limit where it has one.
 
     The adapter writes its config files into a scratch HOME on the host; they are copied into the
     sandbox's own HOME, and host paths in the environment are rewritten to the inside ones. The
@@ -220,18 +221,27 @@ def cli_harness(harness: Harness, model: str = "policy") -> HarnessFactory:
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         probe = await sandbox.exec(["sh", "-c", 'printf %s "$HOME"'], timeout=30)
         home = probe.stdout.strip() or sandbox.tmpdir
+        turns = task.harness_options.get("max_turns", max_turns)
         return await asyncio.to_thread(
-            _prepare_cli, harness, task, base_url, api_key, model, home, sandbox.workdir
+            _prepare_cli, harness, task, base_url, api_key, model, home, sandbox.workdir, turns
         )
 
     return launch
 
 
 def _prepare_cli(
-    harness: Harness, task: Task, base_url: str, api_key: str, model: str, home: str, workdir: str
+    harness: Harness,
+    task: Task,
+    base_url: str,
+    api_key: str,
+    model: str,
+    home: str,
+    workdir: str,
+    max_turns: int | None,
 ) -> HarnessLaunch:
     with tempfile.TemporaryDirectory(prefix="openforge-home-") as scratch:
-        env = harness.prepare(Path(scratch), Path(workdir), base_url, api_key, model)
+        turns = int(max_turns) if max_turns else None
+        env = harness.prepare(Path(scratch), Path(workdir), base_url, api_key, model, turns)
         files = {
             f"{home}/{p.relative_to(scratch)}": p.read_text(errors="replace")
             for p in Path(scratch).rglob("*")

@@ -77,11 +77,15 @@ class Harness(Protocol):
 
     def check(self) -> Check: ...
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         """Write the config files into `home` and return the whole environment for `command`.
 
         `base_url` is the rollout's URL (no dialect suffix such as /v1): each adapter adds what its
-        client expects.
+        client expects. `max_turns` bounds the model calls of one run where the harness has such a
+        limit of its own (mini-swe-agent's `agent.step_limit`); the others ignore it, and the task's
+        timeout bounds them.
         """
         ...
 

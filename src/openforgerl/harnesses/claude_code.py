@@ -29,7 +29,9 @@ class ClaudeCode(NpmHarness):
     bin_name = "claude"
     dialect: Dialect = "anthropic"
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         write_json(
             home / ".claude.json",
             {

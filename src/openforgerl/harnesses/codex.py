@@ -36,7 +36,9 @@ class Codex(NpmHarness):
         super().__init__(cache_dir)
         self.websocket = websocket
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         codex_home = home / ".codex"
         lines = [
             f"model = {toml_string(model)}",

@@ -31,7 +31,9 @@ class GeminiCli(NpmHarness):
     bin_name = "gemini"
     dialect: Dialect = "gemini"
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         write_json(
             home / ".gemini" / "settings.json",
             {

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from openforgerl.harnesses.base import (
     Check,
@@ -80,19 +81,20 @@ class MiniSweAgent:
             missing = f"{self.binary} is missing"
         return Check(NAME, VERSION, installed, missing)
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         config_dir = home / ".config" / "mini-swe-agent"
-        # JSON is YAML: mini reads this with yaml.safe_load.
-        write_json(
-            config_dir / CONFIG_NAME,
-            {
-                "model": {
-                    "model_name": f"openai/{model}",
-                    "model_kwargs": {"api_base": base_url + "/v1", "api_key": api_key},
-                    "cost_tracking": "ignore_errors",
-                }
-            },
-        )
+        config: dict[str, Any] = {
+            "model": {
+                "model_name": f"openai/{model}",
+                "model_kwargs": {"api_base": base_url + "/v1", "api_key": api_key},
+                "cost_tracking": "ignore_errors",
+            }
+        }
+        if max_turns:
+            config["agent"] = {"step_limit": max_turns}  # mini stops with exit status LimitsExceeded
+        write_json(config_dir / CONFIG_NAME, config)  # JSON is YAML: mini reads it with yaml.safe_load
         env = base_env(home)
         env.update(
             MSWEA_GLOBAL_CONFIG_DIR=str(config_dir),

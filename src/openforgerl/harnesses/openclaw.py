@@ -64,7 +64,9 @@ class OpenClaw(NpmHarness):
             return Check(self.name, self.version, found.installed, f"node {NODE_VERSION} is missing")
         return found
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         state = home / ".openclaw"
         config = write_json(
             state / "openclaw.json",

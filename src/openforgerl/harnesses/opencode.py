@@ -30,7 +30,9 @@ class OpenCode(NpmHarness):
     bin_name = "opencode"
     dialect: Dialect = "openai"
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         write_json(
             home / ".config" / "opencode" / "opencode.json",
             {

@@ -41,7 +41,9 @@ class Pi(NpmHarness):
         self.api = api
         self.dialect: Dialect = APIS[api][0]
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         provider: dict[str, object] = {
             "baseUrl": base_url + APIS[self.api][1],
             "api": self.api,

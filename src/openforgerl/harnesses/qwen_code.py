@@ -28,7 +28,9 @@ class QwenCode(NpmHarness):
     bin_name = "qwen"
     dialect: Dialect = "openai"
 
-    def prepare(self, home: Path, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, str]:
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
         write_json(
             home / ".qwen" / "settings.json",
             {

@@ -87,10 +87,10 @@ from tqdm import tqdm
 
 from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
-from openforgerl.evaluate import EvalOptions, harness_factory
 from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_thread
+from openforgerl.launch import HarnessChoice, LaunchOptions
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, iter_checkpoints, passed
-from openforgerl.runner import HarnessFactory, OnFailure, RolloutResult, Runner, RunnerConfig, Status
+from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, python_binds
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
 from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
@@ -241,6 +241,7 @@ def run_tasks(
 ) -> list[RolloutResult]:
     """Run every task n times against the gateway; `state_dir` keeps the runner's state.
     `cancel` lets another thread stop the run (its runner cleans up as on Ctrl-C)."""
+    harness = _harness(opts)
     cfg = RunnerConfig(
         gateway_url=gw.url,
         admin_token=gw.gateway.admin_token,
@@ -249,13 +250,14 @@ def run_tasks(
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
         sampling=sampling or {},
+        ro_binds=[*python_binds(), *harness.ro_binds(tasks)],
     )
     bar = tqdm(total=len(tasks) * n, desc=desc, unit="rollout", disable=not opts.progress, leave=False)
 
     async def go() -> list[RolloutResult]:
         if cancel is not None:
             cancel.attach()
-        runner = Runner(cfg, LocalBackend(), _harness(opts))
+        runner = Runner(cfg, LocalBackend(), harness)
         try:
             return await runner.run(tasks, n, on_done=lambda _: bar.update(1))
         finally:
@@ -267,17 +269,10 @@ def run_tasks(
         bar.close()
 
 
-def _harness(opts: TrainOptions) -> HarnessFactory:
-    """The harness of the run, chosen as `openforge eval` chooses it."""
-    return harness_factory(
-        EvalOptions(
-            tasks=opts.tasks,
-            harness=opts.harness,
-            max_tokens=opts.max_tokens,
-            max_turns=opts.max_turns,
-            max_steps=opts.max_steps,
-        )
-    )
+def _harness(opts: TrainOptions) -> HarnessChoice:
+    """The run's harnesses (launch.py), as `openforge eval` chooses them."""
+    launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
+    return HarnessChoice(opts.harness, launch)
 
 
 def recorded_rollouts(gw: RunningGateway, results: Sequence[RolloutResult]) -> list[Rollout]:
@@ -529,7 +524,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
             "dynamic sampling (max_gen_batches > 1) keeps mixed groups only: it cannot "
             "also train on equal-reward groups (drop_zero_variance=False)"
         )
-    _harness(opts)  # an unknown harness fails here, before a model is loaded
+    harness = _harness(opts)  # an unknown harness fails here, before a model is loaded
     run_dir = opts.out
     if not resume and (run_dir / RUN_FILE).exists():
         raise FileExistsError(
@@ -541,6 +536,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     eval_tasks: list[Task] = []
     if opts.eval_every:
         eval_tasks = load_tasks(opts.tasks, split=opts.eval_split)[: opts.eval_limit]  # type: ignore[arg-type]
+    harness.check([*train_tasks, *eval_tasks])  # a missing CLI too
 
     demonstrations = ptx_demonstrations(opts)
     checkpoints = list(iter_checkpoints(run_dir / "checkpoints"))

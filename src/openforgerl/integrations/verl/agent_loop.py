@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -47,22 +46,12 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
-from openforgerl import harnesses
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.integrations.verl.data import AGENT_NAME, task_from_row
 from openforgerl.integrations.verl.engine import ServerManager, VerlServerEngine
 from openforgerl.integrations.verl.samples import split_sample
-from openforgerl.runner import (
-    HarnessFactory,
-    OnFailure,
-    RolloutResult,
-    Runner,
-    RunnerConfig,
-    Status,
-    cli_harness,
-    python_binds,
-    react_harness,
-)
+from openforgerl.launch import HarnessChoice, LaunchOptions
+from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, python_binds
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task
 from openforgerl.trajectory import Sample, build_samples, calls_from_json
@@ -246,17 +235,13 @@ class OpenForgeAgentLoop(AgentLoopBase):
         settings = self._gateway_settings()
         return await asyncio.to_thread(worker_gateway, self.server_manager, loop, **settings)
 
-    def _harness(self, task: Task) -> tuple[HarnessFactory, list[str]]:
-        name = task.harness or self.options.harness
-        if name == "react":
-            factory = react_harness(self.options.max_turns, self.options.max_tokens, sys.executable)
-            return factory, python_binds()
-        if name not in harnesses.HARNESSES:
-            known = ", ".join(["react", *sorted(harnesses.HARNESSES)])
-            raise ValueError(f"task {task.id}: unknown harness {name!r} (known: {known})")
-        cache = Path(self.options.harness_cache) if self.options.harness_cache else None
-        adapter = harnesses.get(name, cache)
-        return cli_harness(adapter), [*python_binds(), str(adapter.cache_dir)]
+    def _harness(self, task: Task) -> tuple[HarnessChoice, list[str]]:
+        """The task's harness (launch.py: the same choice as `openforge train`) and its binds."""
+        o = self.options
+        cache = Path(o.harness_cache) if o.harness_cache else None
+        choice = HarnessChoice(o.harness, LaunchOptions(o.max_turns, o.max_tokens, cache_dir=cache))
+        choice.check([task])
+        return choice, [*python_binds(), *choice.ro_binds([task])]
 
     # -- one rollout ------------------------------------------------------------------------
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
