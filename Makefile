@@ -89,14 +89,16 @@ bench-quick:
 	$(MAKE) bench BENCH_ARGS=--quick
 
 ## The eight real agent CLIs end to end through the gateway (tests/test_harnesses.py, marker `harness`),
-## driven by the scripted policy engine. Installs the pinned harnesses once into HARNESS_CACHE (about
+## driven by the scripted policy engine; and training inside mini-swe-agent and pi (the teacher, SFT,
+## one GRPO step with the tiny model generating every turn: tests/test_harness_training.py). Installs the pinned harnesses once into HARNESS_CACHE (about
 ## 3.2 GB; about 4 minutes the first time, seconds after), then runs them: about 5 minutes on 2 cores.
 HARNESS_CACHE ?= $(HOME)/.cache/openforgerl/harnesses
 
 .PHONY: test-harnesses
 test-harnesses: $(STAMP)
 	$(BIN)/openforge harness install all --cache $(HARNESS_CACHE)
-	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py tests/test_runner_harness.py
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py tests/test_runner_harness.py \
+	  tests/test_harness_training.py
 
 ## The viewer (`openforge view`) in a real browser: tests/test_ui.py, marker `ui`. Debian's Chromium
 ## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver

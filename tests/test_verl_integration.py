@@ -46,7 +46,7 @@ from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rl.oracle_teacher import OracleTeacherEngine
 from openforgerl.tasks import Task, load_tasks
 from openforgerl.tasks.suites.tools_tiny import verify_answer
-from openforgerl.testing.scripted_engine import text_reply
+from openforgerl.rl.prompt_tools import text_reply
 from openforgerl.trajectory import RecordedCall, build_samples
 
 TASKS = load_tasks("tools-tiny", split="train")[:2]

@@ -250,28 +250,36 @@ def oracle_samples(
     concurrency: int = 8,
     progress: bool = True,
     show_work: bool = True,
+    harness: str = "react",
 ) -> list[Sample]:
-    """Teacher trajectories from the ORACLE teacher (tools-tiny): each task run once through the ReAct
-    harness with the oracle engine behind the gateway; the rollouts it solved, as merged samples in
-    the student's chat template (the gateway renders with `model_dir`'s tokenizer). `show_work`: the
-    teacher notes each value it read and writes out the computation before its calls."""
+    """Teacher trajectories from the ORACLE teacher (tools-tiny, claw-basic): each task run once
+    through `harness` (the built-in ReAct loop or an agent CLI) with the oracle engine behind the
+    gateway, acting through that harness's own tools; the rollouts it solved, as merged samples in
+    the student's chat template (the gateway renders with `model_dir`'s tokenizer). `show_work`:
+    the teacher notes each value it read and writes out the computation before its calls."""
     from openforgerl.evaluate import EvalOptions, run_rollouts
-    from openforgerl.rl.oracle_teacher import OracleTeacherEngine
+    from openforgerl.rl.oracle_teacher import ORACLE_SUITES, OracleTeacherEngine, reference_solutions
     from openforgerl.runner import Status
     from openforgerl.tasks import load_tasks
 
+    if tasks not in ORACLE_SUITES:
+        raise ValueError(f"the oracle teacher knows {' and '.join(ORACLE_SUITES)}, not {tasks!r}")
     chosen = load_tasks(tasks, split=split)[:limit]  # type: ignore[arg-type]
     opts = EvalOptions(
         tasks=tasks,
+        harness=harness,
         split=split,
         limit=limit,
         model=str(model_dir),
         out=out,
         concurrency=concurrency,
         max_turns=max_turns,
+        # A reference solution is one call: room for the longest script.
+        max_tokens=1024 if tasks == "claw-basic" else 256,
         progress=progress,
     )
-    teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work)
+    solutions = reference_solutions() if tasks == "claw-basic" else {}
+    teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work, solutions=solutions)
     results, recorded = run_rollouts(opts, teacher, chosen)
     samples = []
     for r in results:

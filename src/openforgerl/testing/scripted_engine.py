@@ -16,7 +16,6 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from openforgerl.engines.base import EngineError, FinishReason, GenerateResult, SamplingParams
 from openforgerl.images import Image
@@ -49,18 +48,6 @@ ScriptItem = Scripted | Sequence[int] | BaseException
 ScriptFn = Callable[[ScriptRequest], ScriptItem]
 
 DEFAULT_COMPLETION: tuple[int, ...] = tuple(range(100, 116))
-
-
-def text_reply(
-    tokenizer: Any, end_id: int, text: str, sampling: SamplingParams, version: int, logprob: float = 0.0
-) -> GenerateResult:
-    """`text` as a model would have sampled it: its ids cut at max_tokens, else ended by the turn-end
-    id (kept as the last id, as engines do), with a constant logprob."""
-    ids = tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens]
-    if len(ids) < sampling.max_tokens:
-        ids.append(end_id)
-        return GenerateResult(ids, [logprob] * len(ids), "stop", version, end_id)
-    return GenerateResult(ids, [logprob] * len(ids), "length", version)
 
 
 class ScriptedEngine:
