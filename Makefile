@@ -90,8 +90,9 @@ bench-quick:
 
 ## The eight real agent CLIs end to end through the gateway (tests/test_harnesses.py, marker `harness`),
 ## driven by the scripted policy engine; and training inside mini-swe-agent and pi (the teacher, SFT,
-## one GRPO step with the tiny model generating every turn: tests/test_harness_training.py). Installs the pinned harnesses once into HARNESS_CACHE (about
-## 3.2 GB; about 4 minutes the first time, seconds after), then runs them: about 5 minutes on 2 cores.
+## one GRPO step with the tiny model generating every turn: tests/test_harness_training.py). Installs
+## the pinned harnesses once into HARNESS_CACHE (about 3.2 GB; about 4 minutes the first time, seconds
+## after), then runs them: about 7 minutes on 2 cores.
 HARNESS_CACHE ?= $(HOME)/.cache/openforgerl/harnesses
 
 .PHONY: test-harnesses
