@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from openforgerl.engines.base import EngineUnavailable, GenerateResult, SamplingParams
 from openforgerl.gateway.server import GatewayConfig
-from openforgerl.testing.gateway import RunningGateway, gateway_thread
 from openforgerl.rl.prompt_tools import text_reply
+from openforgerl.testing.gateway import RunningGateway, gateway_thread
 
 
 class ScriptEngine:

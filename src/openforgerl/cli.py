@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from openforgerl.engines.base import PREFIX_CACHE_MB
+from openforgerl.harnesses import HARNESSES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -28,19 +29,33 @@ def model() -> None:
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--vision", is_flag=True, help="A vision-language model (Qwen2-VL) with its image processor.")
-def model_init(out_arg: str | None, out: str | None, size: str, seed: int, vision: bool) -> None:
+@click.option(
+    "--max-positions",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="Context length (config max_position_embeddings, tokenizer model_max_length); real agent "
+    "CLIs send 9k-22k-token prompts, so harness runs want e.g. 32768.",
+)
+def model_init(
+    out_arg: str | None, out: str | None, size: str, seed: int, vision: bool, max_positions: int
+) -> None:
     """Make a tiny real model locally: BPE tokenizer, chat template, Qwen2 weights (no hub).
 
     With --vision: a tiny Qwen2-VL that takes images (e.g. `openforge model init --vision runs/vlm`).
     """
-    from openforgerl.modelkit import init_model, init_vision_model
+    from openforgerl.modelkit import check_max_positions, init_model, init_vision_model
 
     target = out or out_arg
     if not target or (out and out_arg and out != out_arg):
         raise click.UsageError("give the output directory once, as OUT or --out")
+    try:
+        check_max_positions(max_positions)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--max-positions") from None
     build = init_vision_model if vision else init_model
-    path = build(target, size=size, seed=seed)  # type: ignore[arg-type]
-    click.echo(f"{'vision-language ' if vision else ''}model written to {path}")
+    path = build(target, size=size, seed=seed, max_positions=max_positions)  # type: ignore[arg-type]
+    click.echo(f"{'vision-language ' if vision else ''}model written to {path} ({max_positions} positions)")
 
 
 def _upstream_options(fn: Any) -> Any:
@@ -412,16 +427,43 @@ def gc(
     click.echo(f"{len(found)} {'objects' if len(found) != 1 else 'object'} {verb}")
 
 
+_CLI_HARNESSES = list(HARNESSES)  # the agent CLI adapters, for the help texts
+
+
+def _harness_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """--harness: one name, or (for eval) several comma-separated, each a known harness."""
+    from openforgerl.launch import check_name
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise click.BadParameter("name a harness", ctx, param)
+    for name in names:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+    return names
+
+
+def _one_harness(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    names = _harness_list(ctx, param, value)
+    if len(names) > 1:
+        raise click.BadParameter("one harness here (eval compares several)", ctx, param)
+    return names[0]
+
+
 def _rollout_options(fn: Any) -> Any:
     """Options shared by `eval` and `rollout`."""
     options = [
         click.option("--tasks", required=True, help="A suite (tools-tiny, claw-basic) or task file/dir."),
         click.option(
             "--harness",
-            type=click.Choice(["react", "gui"]),
             default="react",
             show_default=True,
-            help="react: the tool-calling loop; gui: a browser agent on screenshots (web-basic tasks).",
+            callback=_harness_list,
+            help="react (the built-in tool-calling loop), gui (a browser agent on screenshots, "
+            f"web-basic) or an agent CLI: {', '.join(_CLI_HARNESSES)}. eval takes several, "
+            "comma-separated: the harness study (one side-by-side report). A task's own harness wins.",
         ),
         click.option("--split", default=None, help="Only tasks of this split (train, heldout, test)."),
         click.option("--limit", type=int, default=None, help="Only the first N tasks."),
@@ -519,12 +561,15 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
 
 def _refusing_bad_network(run: Any, opts: Any) -> Any:
     """Live-site tasks without --network host: a usage error that names the option."""
+    from openforgerl.launch import HarnessNotInstalled
     from openforgerl.runner import NetworkNotAllowed
 
     try:
         return run(opts)
     except NetworkNotAllowed as exc:
         raise click.UsageError(str(exc)) from exc
+    except HarnessNotInstalled as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command("eval")
@@ -537,7 +582,20 @@ def eval_cmd(k: int, n: int | None, **kw: Any) -> None:
 
     if n is not None and n < k:
         raise click.BadParameter(f"--n ({n}) must be at least --k ({k})", param_hint="--n")
-    opts = _eval_options(kw, k, n, f"runs/eval-{kw['tasks']}-{kw['harness']}")
+    names = kw.pop("harness")
+    kw["harness"] = names[0]
+    opts = _eval_options(kw, k, n, f"runs/eval-{kw['tasks']}-{'-'.join(names)}")
+    if len(names) > 1:
+        from openforgerl.evaluate import run_study
+
+        study = _refusing_bad_network(lambda o: run_study(o, names), opts)
+        click.echo((opts.out / "study.md").read_text())
+        click.echo(
+            f"study: {opts.out / 'study.json'} and {opts.out / 'study.md'}; each harness in {opts.out}/NAME"
+        )
+        if not any(r["scored"] for r in study["harnesses"].values()):
+            raise SystemExit(1)
+        return
     report = _refusing_bad_network(run_eval, opts)
     click.echo((opts.out / "report.md").read_text())
     click.echo(f"report: {opts.out / 'report.json'} and {opts.out / 'report.md'}")
@@ -552,6 +610,10 @@ def rollout_cmd(n: int, **kw: Any) -> None:
     """Run tasks once (or n times) and write the training samples they produced."""
     from openforgerl.evaluate import run_and_write_trajectories
 
+    names = kw.pop("harness")
+    if len(names) > 1:
+        raise click.BadParameter("rollout runs one harness (eval compares several)", param_hint="--harness")
+    kw["harness"] = names[0]
     opts = _eval_options(kw, 1, n, f"runs/rollout-{kw['tasks']}-{kw['harness']}")
     summary = _refusing_bad_network(run_and_write_trajectories, opts)
     click.echo(f"{summary['rollouts']} rollouts, {summary['samples']} samples written to {summary['path']}")
@@ -688,11 +750,12 @@ def view(
 @click.option("--max-turns", type=int, default=8, show_default=True, help="ReAct harness turns.")
 @click.option(
     "--harness",
-    type=click.Choice(["react", "gui"]),
     default="react",
     show_default=True,
+    callback=_one_harness,
     help="react: the tool-calling loop; gui: a browser agent on screenshots (web-basic tasks, a "
-    "vision-language model from `openforge model init --vision`).",
+    "vision-language model from `openforge model init --vision`); or an agent CLI, every turn "
+    f"generated by the policy inside it: {', '.join(_CLI_HARNESSES)}.",
 )
 @click.option("--max-steps", type=int, default=None, help="GUI harness steps (default: the task's, 15).")
 @click.option("--concurrency", type=int, default=8, show_default=True)
@@ -811,10 +874,11 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             ),
         )
     from openforgerl.engines.base import EngineError
+    from openforgerl.launch import HarnessNotInstalled
 
     try:
         summary = train(opts, resume=resume)
-    except (FileExistsError, FileNotFoundError, ValueError, EngineError) as exc:
+    except (FileExistsError, FileNotFoundError, ValueError, EngineError, HarnessNotInstalled) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(
         f"{summary['steps']} steps, policy version {summary['policy_version']}; "
@@ -849,7 +913,20 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
 @click.option(
     "--teacher", type=click.Choice(["oracle"]), default=None, help="Make the data with this teacher."
 )
-@click.option("--tasks", default="tools-tiny", show_default=True, help="The teacher's tasks (train split).")
+@click.option(
+    "--tasks",
+    default="tools-tiny",
+    show_default=True,
+    help="The teacher's tasks (train split): tools-tiny, claw-basic.",
+)
+@click.option(
+    "--harness",
+    default="react",
+    show_default=True,
+    callback=_one_harness,
+    help="With --teacher: the harness it acts in, through that harness's own tools and format "
+    f"(react or an agent CLI: {', '.join(_CLI_HARNESSES)}).",
+)
 @click.option("--limit", type=int, default=None, help="Only the first N tasks (with --teacher).")
 @click.option(
     "--show-work/--no-show-work",
@@ -889,6 +966,7 @@ def sft_cmd(
     out: str,
     val_data: str | None,
     show_work: bool,
+    harness: str,
     **kw: Any,
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
@@ -907,12 +985,19 @@ def sft_cmd(
         trainer = SFTTrainer(model_dir, SFTConfig(**kw), image_source=loaded.image_source)
         samples = list(loaded)
     else:
-        if tasks != "tools-tiny":
-            raise click.BadParameter("the oracle teacher knows tools-tiny only", param_hint="--tasks")
+        from openforgerl.launch import HarnessNotInstalled
+        from openforgerl.rl.oracle_teacher import ORACLE_SUITES
+
+        if tasks not in ORACLE_SUITES:
+            known = " and ".join(ORACLE_SUITES)
+            raise click.BadParameter(f"the oracle teacher knows {known} only", param_hint="--tasks")
         trainer = SFTTrainer(model_dir, SFTConfig(**kw))
-        samples = oracle_samples(
-            model_dir, out_dir / "teacher", tasks=tasks, limit=limit, show_work=show_work
-        )
+        try:
+            samples = oracle_samples(
+                model_dir, out_dir / "teacher", tasks=tasks, limit=limit, show_work=show_work, harness=harness
+            )
+        except HarnessNotInstalled as exc:
+            raise click.ClickException(str(exc)) from exc
         out_dir.mkdir(parents=True, exist_ok=True)
         write_samples(samples, out_dir / "teacher" / "samples.jsonl")
         click.echo(f"oracle teacher: {len(samples)} trajectories in {out_dir / 'teacher' / 'samples.jsonl'}")

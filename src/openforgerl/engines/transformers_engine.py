@@ -15,6 +15,17 @@ caller went away are dropped from the cache before the next step.
 A prompt that opens with the tokens of a finished sequence (an agent's next turn; the system prompt
 every rollout shares) starts from that sequence's KV, kept in `prefix_cache`, and runs only the rest.
 
+Long prompts (real agent CLIs send 9k-22k tokens) are kept to bounded memory. On the CPU, SDPA runs
+its flash kernel. A row with nothing to mask but the future (a cold prompt, unpadded) takes its
+causal form, with no mask and memory linear in the length, so such a prompt runs whole, and a prompt
+longer than `prefill_chunk_tokens` that arrives with others runs alone and joins their batch after.
+Any other prefill (padded rows, the rest of a prompt after a cached prefix) needs an explicit mask:
+transformers builds a (rows, 1, new, cached + new) boolean one and torch turns it into a float one
+per layer, about 5 bytes per (new token, earlier token) pair; two ~20k-token prompts prefilled
+together, padded, peaked at 4.7 GB (`benchmarks/long_context.py`). Those prefill through the KV
+cache in chunks of about `prefill_chunk_tokens` tokens across the rows (2048 x 32k positions:
+330 MB), which changes results only by float rounding.
+
 Seeded requests sample with their own torch.Generator, so their draws do not depend on batch mates.
 Batched float arithmetic can still differ from a solo run in the last bits of the logits; a sample
 whose uniform draw lands within that distance of a boundary could flip, which in practice is never.
@@ -67,6 +78,11 @@ from openforgerl.vision import (
     unsampleable_token_ids,
     vision_inputs,
 )
+
+# Prompt tokens per prefill pass, summed over the batch's rows (each row gets at least
+# MIN_PREFILL_CHUNK of its own, so a wide batch does not take hundreds of passes).
+PREFILL_CHUNK_TOKENS = 2048
+MIN_PREFILL_CHUNK = 256
 
 
 @dataclass(slots=True, eq=False)
@@ -178,6 +194,7 @@ class TransformersEngine:
     completion keeps the token that ended it: an EOS id (stop_reason None), a stop_token_ids entry
     (stop_reason that id) or the token that completed a stop string (stop_reason that string).
     `stats` counts batches, forward steps, rows and tokens, for tests and metrics.
+    `prefill_chunk_tokens` bounds the prompt tokens of one prefill pass (0: every prompt in one pass).
     """
 
     name = "transformers"
@@ -194,9 +211,13 @@ class TransformersEngine:
         policy_version: int = 0,
         threads: int | None = None,
         prefix_cache_mb: float = PREFIX_CACHE_MB,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError("max_batch_size and max_queue must be at least 1")
+        if prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be 0 (off) or positive")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.model_dir = str(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
@@ -233,10 +254,12 @@ class TransformersEngine:
             "running": 0,  # rows in the batch after the last step
             "tokens": 0,
             "prefill_tokens": 0,  # prompt tokens run through the model (cached prefixes are not)
+            "prefill_chunks": 0,  # extra prefill passes: chunks of a prefill after its first
         }
         self._model: Any = None
         # Continuous joins pad caches on the left, which only plain full-attention layers allow.
         self._mergeable = False
+        self._causal_kernel = False
         self._version = policy_version  # a resumed run's engine starts at its checkpoint's version
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()
@@ -279,6 +302,9 @@ class TransformersEngine:
         self._mergeable = all(
             type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers
         )
+        # Attention that needs no materialised mask for a plain causal pass (see _prefill_forward).
+        attn = str(getattr(model.config, "_attn_implementation", None) or "")
+        self._causal_kernel = attn == "sdpa" or attn.startswith("flash")
         self._closing = False
         self._thread = threading.Thread(target=self._worker, name="transformers-engine", daemon=True)
         self._thread.start()
@@ -491,6 +517,28 @@ class TransformersEngine:
         )
         return out.logits[:, -1, :]
 
+    def _prefill_forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache
+    ) -> Any:
+        """`_forward` over a prefill's new tokens `ids` (B, S), whose `cache` already holds the
+        first mask.shape[1] - S columns of `mask`, in chunks of the span; the last chunk's logits."""
+        span = ids.shape[1]
+        past = mask.shape[1] - span
+        budget = self.prefill_chunk_tokens
+        step = max(budget // ids.shape[0], min(MIN_PREFILL_CHUNK, budget)) if budget else span
+        if span <= step or (past == 0 and self._causal_kernel and bool(mask.all())):
+            # Nothing to mask but the future: SDPA's causal kernel runs without a mask in memory
+            # linear in the length, and faster than any chunking.
+            return self._forward(ids, mask, pos, cache)
+        logits = None
+        for start in range(0, span, step):
+            end = min(start + step, span)
+            if start:
+                self.stats["prefill_chunks"] += 1
+            # The mask covers the cache so far plus this chunk; later columns do not exist yet.
+            logits = self._forward(ids[:, start:end], mask[:, : past + end], pos[..., start:end], cache)
+        return logits
+
     def _prefill(self, reqs: list[_Request]) -> _Batch | None:
         """Prefill the prompts of `reqs`, those opening with a cached prefix from its KV (only the
         rest runs), the others whole; returns them as one batch."""
@@ -538,7 +586,7 @@ class TransformersEngine:
             [[0] * gap + list(range(c, c + len(t))) for _, c, gap, t in rows], device=self.device
         )
         self.stats["prefill_tokens"] += sum(map(len, rest))
-        logits = self._forward(ids, mask, pos, cache)
+        logits = self._prefill_forward(ids, mask, pos, cache)
         lengths = torch.tensor([len(r.prompt_ids) for r, _, _ in hits], device=self.device)
         batch = _Batch(
             rows=[r for r, _, _ in hits],
@@ -550,6 +598,24 @@ class TransformersEngine:
         return self._sample_step(batch, logits)
 
     def _prefill_together(self, reqs: list[_Request]) -> _Batch | None:
+        """Prefill whole prompts: together, except that each prompt longer than a chunk runs alone,
+        unpadded, and joins the others' batch after (padding would give the whole prompt an
+        explicit mask, which the causal kernel spares a row of its own)."""
+        chunk = self.prefill_chunk_tokens
+        long = [r for r in reqs if len(r.prompt_ids) > chunk] if chunk and self._mergeable else []
+        if len(reqs) < 2 or not long or self.processor is not None:
+            return self._prefill_rows(reqs)
+        short = [r for r in reqs if len(r.prompt_ids) <= chunk]
+        batch: _Batch | None = None
+        for group in [[r] for r in long] + ([short] if short else []):
+            part = self._prefill_rows(group)
+            if batch is None or part is None:
+                batch = batch or part
+            else:
+                batch = self._merge(batch, part)
+        return batch
+
+    def _prefill_rows(self, reqs: list[_Request]) -> _Batch | None:
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device
@@ -561,12 +627,13 @@ class TransformersEngine:
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         self.stats["prefill_tokens"] += int(lengths.sum())
         if self.processor is not None:
+            # One pass: the image features go in with the prompt (VLM prompts are not chunked).
             pos, next_pos, vision = self._vision_prefill(reqs, ids, mask)
             logits = self._forward(ids, mask, pos, cache, **vision)
             next_pos = lengths + next_pos
         else:
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self._forward(ids, mask, pos, cache)
+            logits = self._prefill_forward(ids, mask, pos, cache)
             next_pos = lengths
         # next_ids is filled in by _sample_step.
         batch = _Batch(

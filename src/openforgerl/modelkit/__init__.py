@@ -7,6 +7,10 @@ byte-level BPE tokenizer.
 `AutoModelForImageTextToText`): the same tokenizer plus the vision tokens, the same template plus
 image parts. Nothing is downloaded. `cached_model` builds one per (size, seed, kit version, vision)
 under a cache directory, safely from parallel processes.
+
+Models hold MAX_POSITIONS positions unless `max_positions` says otherwise (real agent CLIs send
+9k-22k-token prompts: `openforge model init --max-positions 32768`); the config's
+`max_position_embeddings` and the tokenizer's `model_max_length` both say it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ __all__ = [
     "ENDOFTEXT",
     "IM_END",
     "IM_START",
+    "MAX_POSITIONS",
+    "MAX_POSITIONS_LIMIT",
     "QWEN2_PATTERN",
     "SIZES",
     "SPECIAL_TOKENS",
@@ -47,6 +53,7 @@ __all__ = [
     "cache_root",
     "cached_model",
     "chat_template",
+    "check_max_positions",
     "init_model",
     "init_vision_model",
     "kit_version",
@@ -90,6 +97,9 @@ QWEN2_PATTERN = (
 )
 
 MAX_POSITIONS = 4096
+# The most `max_positions` a kit model accepts: Qwen2.5's longest native context, and already more
+# than a CPU prefills in reasonable time.
+MAX_POSITIONS_LIMIT = 131072
 # Vision models: images are resized to at most MAX_IMAGE_TOKENS tokens (a 28x28 pixel square each):
 # a 640x400 screenshot becomes 240 tokens.
 PATCH, MERGE = 14, 2
@@ -196,7 +206,18 @@ def _train_tokenizer(vocab_size: int) -> Any:
     return tok
 
 
-def _save_tokenizer(raw: Any, out: Path, template: str | None = None) -> Any:
+def check_max_positions(max_positions: int) -> int:
+    """`max_positions` if it is a whole number of positions in [1, MAX_POSITIONS_LIMIT]; else ValueError."""
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int):
+        raise ValueError(f"max_positions must be an integer, not {max_positions!r}")
+    if not 1 <= max_positions <= MAX_POSITIONS_LIMIT:
+        raise ValueError(f"max_positions must lie in [1, {MAX_POSITIONS_LIMIT}], not {max_positions}")
+    return max_positions
+
+
+def _save_tokenizer(
+    raw: Any, out: Path, template: str | None = None, max_positions: int = MAX_POSITIONS
+) -> Any:
     """Save through Qwen2Tokenizer, the class AutoTokenizer picks, so load/save is a fixed point."""
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
@@ -209,7 +230,7 @@ def _save_tokenizer(raw: Any, out: Path, template: str | None = None) -> Any:
             pad_token=ENDOFTEXT,
             unk_token=None,
             clean_up_tokenization_spaces=False,
-            model_max_length=MAX_POSITIONS,
+            model_max_length=max_positions,
         ).save_pretrained(staging)
         tok = Qwen2Tokenizer.from_pretrained(staging)
     for loading_detail in ("is_local", "local_files_only"):  # describe the staging load, not the model
@@ -224,7 +245,7 @@ def _save_tokenizer(raw: Any, out: Path, template: str | None = None) -> Any:
     return tok
 
 
-def _build_model(spec: ModelSize, tok: Any, seed: int) -> Any:
+def _build_model(spec: ModelSize, tok: Any, seed: int, max_positions: int = MAX_POSITIONS) -> Any:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -236,7 +257,7 @@ def _build_model(spec: ModelSize, tok: Any, seed: int) -> Any:
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=pad,
@@ -256,26 +277,33 @@ def _build_model(spec: ModelSize, tok: Any, seed: int) -> Any:
     return model
 
 
-def init_model(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
+def init_model(
+    out: str | Path, size: Size = "tiny", seed: int = 0, *, max_positions: int = MAX_POSITIONS
+) -> Path:
     """Build a tokenizer and a randomly initialised Qwen2ForCausalLM into `out`; return `out` as a Path.
 
     The tokenizer depends only on `size` (and the Python version, whose standard library it is trained
     on); weights depend on `size` and `seed`. Same inputs on the same machine give byte-identical files.
+    `max_positions` is the context the model and tokenizer declare (rotary positions, so the weights
+    do not depend on it).
     """
     import torch
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    check_max_positions(max_positions)
     spec = SIZES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _save_tokenizer(_train_tokenizer(spec.vocab), out)
-    model = _build_model(spec, tok, seed)
+    tok = _save_tokenizer(_train_tokenizer(spec.vocab), out, max_positions=max_positions)
+    model = _build_model(spec, tok, seed, max_positions)
     model.to(torch.float32).save_pretrained(out)
     return out
 
 
-def init_vision_model(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
+def init_vision_model(
+    out: str | Path, size: Size = "tiny", seed: int = 0, *, max_positions: int = MAX_POSITIONS
+) -> Path:
     """Build a tiny Qwen2VLForConditionalGeneration with its processor into `out`; return `out`.
 
     The language model has the dimensions of `size`'s text model (its vocabulary plus the four vision
@@ -291,13 +319,14 @@ def init_vision_model(out: str | Path, size: Size = "tiny", seed: int = 0) -> Pa
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    check_max_positions(max_positions)
     spec = SIZES[size]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = _train_tokenizer(spec.vocab)
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     template = vision_chat_template()
-    tok = _save_tokenizer(raw, out, template)
+    tok = _save_tokenizer(raw, out, template, max_positions)
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, ENDOFTEXT, IM_END)}
     pixel = (PATCH * MERGE) ** 2
     image_processor = Qwen2VLImageProcessorPil(
@@ -319,7 +348,7 @@ def init_vision_model(out: str | Path, size: Size = "tiny", seed: int = 0) -> Pa
             "num_hidden_layers": spec.layers,
             "num_attention_heads": spec.heads,
             "num_key_value_heads": spec.kv_heads,
-            "max_position_embeddings": MAX_POSITIONS,
+            "max_position_embeddings": max_positions,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -374,15 +403,20 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "openforgerl"
 
 
-def cached_model(size: Size = "tiny", seed: int = 0, *, vision: bool = False) -> Path:
+def cached_model(
+    size: Size = "tiny", seed: int = 0, *, vision: bool = False, max_positions: int = MAX_POSITIONS
+) -> Path:
     """Path of a built model under `cache_root()/models/`, building it on first use (with `vision`,
-    the tiny Qwen2-VL of `init_vision_model`).
+    the tiny Qwen2-VL of `init_vision_model`; with `max_positions`, a model of that context, cached
+    apart from the default's).
 
     A lock file serialises builders across processes; the build goes to a scratch directory that is
     renamed into place, so readers never see a half-written model.
     """
+    check_max_positions(max_positions)
     models = cache_root() / "models"
-    final = models / f"{size}{'-vl' if vision else ''}-{seed}-{kit_version()}"
+    context = "" if max_positions == MAX_POSITIONS else f"-ctx{max_positions}"
+    final = models / f"{size}{'-vl' if vision else ''}{context}-{seed}-{kit_version()}"
     if final.is_dir():  # only ever created by an atomic rename of a finished build
         return final
     models.mkdir(parents=True, exist_ok=True)
@@ -393,7 +427,10 @@ def cached_model(size: Size = "tiny", seed: int = 0, *, vision: bool = False) ->
                 return final
             scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=models))
             try:
-                (init_vision_model if vision else init_model)(scratch, size, seed)
+                build = init_vision_model if vision else init_model
+                # The default's build call is unchanged (tests stand in for init_model).
+                context_kw = {} if max_positions == MAX_POSITIONS else {"max_positions": max_positions}
+                build(scratch, size, seed, **context_kw)
                 # mkdtemp makes 0700; sandboxed workers under other uids must be able to read the model.
                 scratch.chmod(0o755)
                 for file in scratch.iterdir():
