@@ -3,7 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_DIR ?= runs/demo
+# The harness every demo phase runs inside: the built-in ReAct loop, or an agent CLI
+# (`make demo HARNESS=mini-swe-agent`, `HARNESS=pi`), installed first at its pinned version.
+HARNESS ?= react
+DEMO_DIR ?= runs/demo$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
 
 .PHONY: venv demo demo-quick test lint typecheck unit sysdeps test-vllm bench clean
 
@@ -20,11 +23,13 @@ venv: $(STAMP)
 ## The main job on the embedded default: a tiny model learns tools-tiny (oracle SFT, then GRPO) in local
 ## sandboxes through the gateway; runs/demo/report.md holds the before/after table and the reward curve.
 demo: $(STAMP) sysdeps
-	$(BIN)/python -m openforgerl.demo --out $(DEMO_DIR)
+	$(if $(filter-out react,$(HARNESS)),$(BIN)/openforge harness install $(HARNESS))
+	$(BIN)/python -m openforgerl.demo --harness $(HARNESS) --out $(DEMO_DIR)
 
 ## The same path at toy sizes (a few minutes): proves the pipeline, not learning.
 demo-quick: $(STAMP) sysdeps
-	$(BIN)/python -m openforgerl.demo --quick --no-progress --out $(DEMO_DIR)-quick
+	$(if $(filter-out react,$(HARNESS)),$(BIN)/openforge harness install $(HARNESS))
+	$(BIN)/python -m openforgerl.demo --quick --no-progress --harness $(HARNESS) --out $(DEMO_DIR)-quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

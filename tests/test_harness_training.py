@@ -147,3 +147,34 @@ def _sample(prompt: list[int], completion: list[int], logprobs: list[float]) -> 
         logprobs=[0.0] * len(prompt) + logprobs,
         policy_versions=[NO_VERSION] * len(prompt) + [0] * len(completion),
     )
+
+
+def test_the_harness_study_puts_one_checkpoint_under_three_harnesses_side_by_side(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`openforge eval --harness react,mini-swe-agent,pi`: one report, a row per harness. The policy
+    is the ORACLE teacher (it solves every task in each harness's own way), so the rows must agree
+    on the score and differ in how the harness made it: its calls, prompts and tokens."""
+    for name in ("mini-swe-agent", "pi"):
+        _ready(name)
+    from openforgerl.evaluate import EvalOptions, run_study
+    from openforgerl.rl.oracle_teacher import OracleTeacherEngine
+    from openforgerl.tasks import load_tasks
+
+    tasks = load_tasks("tools-tiny", split="heldout")[:2]
+    opts = EvalOptions(
+        tasks="tools-tiny", split="heldout", limit=2, model=str(tiny_model_dir), out=tmp_path, progress=False
+    )
+    study = run_study(opts, ["react", "mini-swe-agent", "pi"], OracleTeacherEngine(tiny_model_dir, tasks))
+    rows = study["harnesses"]
+    assert list(rows) == ["react", "mini-swe-agent", "pi"]
+    for name, report in rows.items():
+        assert report["summary"]["pass@k"]["1"]["estimate"] == 1.0, name
+        assert (tmp_path / name / "report.json").is_file()
+    assert rows["pi"]["harness_versions"] == {"pi": "pi 0.73.1"}
+    # The same steps in each (the reads, the write, the harness's own end: react's submit tool,
+    # mini-swe-agent's submit command, pi's final text), each in its harness's prompt.
+    assert len({r["behaviour"]["turns_mean"] for r in rows.values()}) == 1
+    assert len({r["behaviour"]["prompt_tokens_mean"] for r in rows.values()}) == 3
+    table = (tmp_path / "study.md").read_text()
+    assert all(f"| {name} | " in table for name in rows) and "mini-swe-agent 2.4.6" in table

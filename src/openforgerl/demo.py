@@ -1,9 +1,11 @@
 """`make demo`: the main job on one CPU — a tiny model learns tools-tiny by SFT, then GRPO.
 
-    python -m openforgerl.demo [--out runs/demo] [--quick] [--seed N]
+    python -m openforgerl.demo [--out runs/demo] [--quick] [--seed N] [--harness NAME]
 
 Every phase runs the real path: the ReAct harness (Chat Completions, stdlib HTTP) in local sandboxes,
-the recording gateway, the verifier, the embedded trainer with veRL's algorithm code.
+the recording gateway, the verifier, the embedded trainer with veRL's algorithm code. With
+`--harness NAME` (`make demo HARNESS=mini-swe-agent`) every phase runs inside that agent CLI
+instead: the teacher acts through its tools, and the student generates every turn inside it.
 
 1. model    a tiny Qwen2 model made locally (random weights, its own BPE tokenizer)
 2. teacher  the ORACLE teacher (rule-based, named so: `rl.oracle_teacher`) plays train tasks through
@@ -46,6 +48,7 @@ SUITE = "tools-tiny"
 class DemoConfig:
     out: Path = Path("runs/demo")
     seed: int = 0
+    harness: str = "react"  # or an agent CLI (openforgerl.harnesses): every phase runs inside it
     size: Literal["tiny", "small"] = "tiny"
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
     # The teacher notes each value it reads ('a.txt holds "6".') and writes out its computation
@@ -114,6 +117,7 @@ def evaluate_model(cfg: DemoConfig, model_dir: Path, name: str, greedy: bool = F
     n = 1 if greedy else cfg.eval_n
     opts = EvalOptions(
         tasks=SUITE,
+        harness=cfg.harness,
         split="heldout",
         limit=cfg.eval_tasks,
         model=str(model_dir),
@@ -134,11 +138,14 @@ def evaluate_model(cfg: DemoConfig, model_dir: Path, name: str, greedy: bool = F
 
 def run(cfg: DemoConfig) -> dict[str, Any]:
     """Run (or continue) every phase; returns the report (also written to the run folder)."""
+    from openforgerl.launch import HarnessChoice
     from openforgerl.modelkit import init_model
     from openforgerl.rl.loop import TrainOptions, train
     from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
     from openforgerl.rl.trainer import TrainerConfig
+    from openforgerl.tasks import load_tasks
 
+    HarnessChoice(cfg.harness).check(load_tasks(SUITE)[:1])  # a missing CLI: said before any work
     out = cfg.out.resolve()
     cfg = dataclasses.replace(cfg, out=out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +175,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             concurrency=cfg.concurrency,
             progress=cfg.progress,
             show_work=cfg.teacher_shows_work,
+            harness=cfg.harness,
         )
         val = oracle_samples(
             model_dir,
@@ -179,6 +187,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             concurrency=cfg.concurrency,
             progress=False,
             show_work=cfg.teacher_shows_work,
+            harness=cfg.harness,
         )
         write_samples(val, val_file)
         write_samples(samples, teacher_file)  # last: its presence marks the phase done
@@ -232,6 +241,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         model=str(sft_dir),
         out=rl_dir,
         tasks=SUITE,
+        harness=cfg.harness,
         steps=cfg.rl_steps,
         group=cfg.rl_group,
         batch_tasks=cfg.rl_batch_tasks,
@@ -319,8 +329,11 @@ def build_report(
                 for tag, v in ev.get("by_tag", {}).items()
             },
         }
+    versions = {v for ev in evals.values() for v in ev.get("harness_versions", {}).values()}
     return {
         "suite": SUITE,
+        "harness": cfg.harness,
+        "harness_version": ", ".join(sorted(versions)),
         # RL's gain over SFT, paired by task: the evaluations' shared task difficulty drops out.
         "rl_minus_sft": {
             "pass@1": _paired_gain(evals, "sft", "rl"),
@@ -395,13 +408,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     n = cfg["eval_n"]
     names = {"before": "before SFT", "sft": "after SFT", "rl": "after RL (GRPO)"}
+    harness = report.get("harness", "react")
+    shown = "the built-in ReAct harness" if harness == "react" else f"the {harness} agent CLI"
     lines = [
-        f"# OpenForgeRL demo: {report['suite']}",
+        f"# OpenForgeRL demo: {report['suite']} inside {harness}",
         "",
         f"A {cfg['size']} model made locally, SFT on {report['sft']['samples']} trajectories of the "
         f"rule-based ORACLE teacher, then {len(report['rl_steps'])} GRPO steps "
         f"({cfg['rl_batch_tasks']} tasks x {cfg['rl_group']} rollouts per step), all through "
-        "the ReAct harness in local sandboxes and the recording gateway.",
+        f"{shown} ({report.get('harness_version', '')}) in local sandboxes and the recording gateway.",
         "",
         f"Held-out tasks, {n} sampled runs each at temperature {cfg['temperature']:g} (the RL rollouts' "
         f"temperature), seeded with {cfg['seed']} for every model: each model meets the same random "
@@ -472,8 +487,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="toy sizes: proves the pipeline in a few minutes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--harness", default="react", help="react (built in) or an agent CLI, e.g. mini-swe-agent, pi"
+    )
     args = ap.parse_args(argv)
-    cfg = DemoConfig(out=args.out, seed=args.seed, progress=not args.no_progress)
+    cfg = DemoConfig(out=args.out, seed=args.seed, harness=args.harness, progress=not args.no_progress)
     if args.quick:
         cfg = dataclasses.replace(cfg, **QUICK)  # type: ignore[arg-type]
     report = run(cfg)
