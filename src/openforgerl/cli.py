@@ -124,7 +124,12 @@ def _upstream_specs(upstreams: Sequence[str], key_envs: Sequence[str], timeout: 
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Overrides the harness's.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Overrides the harness's.")
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="Cap and default per call.")
-@click.option("--max-context", type=int, default=4096, show_default=True, help="Prompt + completion limit.")
+@click.option(
+    "--max-context",
+    type=int,
+    default=None,
+    help="Prompt + completion limit (default: the model's context length).",
+)
 @click.option("--max-inflight", type=int, default=1024, show_default=True, help="Beyond this: 429.")
 @click.option("--durability", type=click.Choice(["full", "normal"]), default="full", show_default=True)
 @click.option(
@@ -146,7 +151,7 @@ def gateway(
     temperature: float,
     top_p: float,
     max_tokens: int,
-    max_context: int,
+    max_context: int | None,
     max_inflight: int,
     durability: str,
     prefix_cache_mb: float,

@@ -409,14 +409,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     n = cfg["eval_n"]
     names = {"before": "before SFT", "sft": "after SFT", "rl": "after RL (GRPO)"}
     harness = report.get("harness", "react")
-    shown = "the built-in ReAct harness" if harness == "react" else f"the {harness} agent CLI"
+    inside = "the built-in ReAct harness" if harness == "react" else f"the {harness} agent CLI"
     lines = [
         f"# OpenForgeRL demo: {report['suite']} inside {harness}",
         "",
         f"A {cfg['size']} model made locally, SFT on {report['sft']['samples']} trajectories of the "
         f"rule-based ORACLE teacher, then {len(report['rl_steps'])} GRPO steps "
         f"({cfg['rl_batch_tasks']} tasks x {cfg['rl_group']} rollouts per step), all through "
-        f"{shown} ({report.get('harness_version', '')}) in local sandboxes and the recording gateway.",
+        f"{inside} ({report.get('harness_version', '')}) in local sandboxes and the recording gateway.",
         "",
         f"Held-out tasks, {n} sampled runs each at temperature {cfg['temperature']:g} (the RL rollouts' "
         f"temperature), seeded with {cfg['seed']} for every model: each model meets the same random "

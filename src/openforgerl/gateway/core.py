@@ -109,7 +109,7 @@ class GatewayCore:
         store: Store,
         *,
         policy: SamplingPolicy | None = None,
-        max_context: int = 4096,
+        max_context: int | None = None,
         max_inflight: int = 1024,
         upstreams: Mapping[str, Upstream] | None = None,
     ) -> None:
@@ -118,7 +118,9 @@ class GatewayCore:
         self.renderer = renderer
         self.store = store
         self.policy = policy or SamplingPolicy()
-        self.max_context = max_context
+        # None: the engine's own limit (a model's max_position_embeddings), so a student made with
+        # `model init --max-positions 32768` serves a harness's 15k-token prompts without a flag.
+        self.max_context: int = max_context or getattr(engine, "max_context", None) or 4096
         self.max_inflight = max_inflight
         self.inflight = 0
         self._by_key: dict[str, Session] = {}

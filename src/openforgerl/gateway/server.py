@@ -38,7 +38,7 @@ class GatewayConfig:
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     max_tokens: int = 1024
-    max_context: int = 4096
+    max_context: int | None = None  # prompt + completion; None: the model's own context length
     max_inflight: int = 1024
     max_body: int = 32 << 20
     durability: str = "full"

@@ -112,7 +112,7 @@ class TrainOptions:
     max_tokens: int = 128  # per model call
     max_turns: int = 8
     max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
-    max_context: int = 4096
+    max_context: int | None = None  # prompt + completion; None: the model's own context length
     concurrency: int = 8
     temperature: float = 1.0
     on_failure: OnFailure = "zero"
