@@ -178,3 +178,34 @@ def test_the_harness_study_puts_one_checkpoint_under_three_harnesses_side_by_sid
     assert len({r["behaviour"]["prompt_tokens_mean"] for r in rows.values()}) == 3
     table = (tmp_path / "study.md").read_text()
     assert all(f"| {name} | " in table for name in rows) and "mini-swe-agent 2.4.6" in table
+
+
+@pytest.mark.parametrize("name", ["claude-code", "codex"])
+def test_a_long_context_student_generates_inside_a_cli_with_a_15k_token_prompt(
+    name: str, tmp_path: Path
+) -> None:
+    """Claude Code's and Codex's prompts (~16k and ~11.5k tokens) fit a student made with
+    `model init --max-positions 32768`: the tiny model generates its turns inside them."""
+    _ready(name)
+    from openforgerl.evaluate import EvalOptions, run_eval
+    from openforgerl.modelkit import cached_model
+
+    student = cached_model("tiny", 0, max_positions=32768)
+    opts = EvalOptions(
+        tasks="tools-tiny",
+        split="heldout",
+        limit=1,
+        harness=name,
+        model=str(student),
+        out=tmp_path,
+        max_tokens=16,
+        progress=False,
+    )
+    report = run_eval(opts)
+    assert report["rollouts"] == 1 and report["harness_versions"] == {
+        name: get(name).version and f"{name} {get(name).version}"
+    }
+    rows = [r for r in _recorded(tmp_path / "gateway.db") if r.status == "ok"]
+    assert rows, "the gateway answered the CLI's calls (none refused as too long)"
+    assert max(r.prompt_tokens for r in rows) > 10_000
+    assert any(lp < -1e-3 for r in rows for lp in r.completion_logprobs)  # sampled by the model
