@@ -42,12 +42,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval_tasks": 28,  # 4 of each of the 7 families
         "eval_n": 2,
     },
+    # The demo's own SFT (400 teacher tasks, 400 steps of 16), the bench's RL and evaluations: pi
+    # only (inside mini-swe-agent the teacher alone would take about 50 minutes here).
+    "sft400": {
+        "teacher_tasks": 400,
+        "sft_epochs": 16,
+        "sft_warmup": 100,
+        "rl_steps": 10,
+        "rl_group": 4,
+        "rl_batch_tasks": 4,
+        "eval_tasks": 28,
+        "eval_n": 2,
+    },
     "quick": demo.QUICK,
 }
 
 
 def one_run(harness: str, seed: int, root: Path, preset: str) -> dict[str, Any]:
-    cfg = demo.DemoConfig(out=root / f"{harness}-seed-{seed}", seed=seed, harness=harness, progress=False)
+    name = f"{harness}-seed-{seed}" + ("" if preset == "bench" else f"-{preset}")
+    cfg = demo.DemoConfig(out=root / name, seed=seed, harness=harness, progress=False)
     cfg = dataclasses.replace(cfg, **PRESETS[preset])
     report = demo.run(cfg)
     ev = report["evaluations"]

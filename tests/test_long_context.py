@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from openforgerl.modelkit import (
     init_model,
     init_vision_model,
 )
+from tests.test_transformers_engine import running
 
 LONG = 16384
 # Recorded logprobs vs one teacher-forced forward pass over prompt + completion (float32, CPU).
@@ -72,16 +71,6 @@ def worst_gap(
         gap = (teacher_logprobs(model, p, r, s.temperature) - torch.tensor(r.logprobs)).abs().max().item()
         worst = max(worst, gap)
     return worst
-
-
-@asynccontextmanager
-async def running(model_dir: Path, **kwargs: Any) -> AsyncIterator[TransformersEngine]:
-    engine = TransformersEngine(model_dir, device="cpu", **kwargs)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.close()
 
 
 def run(coro: Any) -> Any:
