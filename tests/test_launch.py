@@ -60,3 +60,12 @@ def test_eval_refuses_a_missing_cli_before_loading_a_model(tmp_path: Path) -> No
     assert "harness pi" in done.output and "openforge harness install pi" in done.output
     twice = CliRunner().invoke(cli, ["rollout", "--tasks", "tools-tiny", "--harness", "react,pi"])
     assert twice.exit_code == 2 and "rollout runs one harness" in twice.output
+
+
+def test_train_and_sft_take_every_harness_by_name(tmp_path: Path) -> None:
+    for command in (["train", "--out", str(tmp_path / "run")], ["sft", "--teacher", "oracle"]):
+        bad = CliRunner().invoke(cli, [*command, "--model", str(tmp_path), "--harness", "nope"])
+        assert bad.exit_code == 2 and "unknown harness 'nope'; one of react, gui, claude-code" in bad.output
+        two = CliRunner().invoke(cli, [*command, "--model", str(tmp_path), "--harness", "react,pi"])
+        assert two.exit_code == 2 and "one harness here" in two.output
+    assert "mini-swe-agent" in CliRunner().invoke(cli, ["train", "--help"]).output
