@@ -12,7 +12,7 @@ rollout and wall time per phase. Prints JSON (one object) and writes it to --out
 Presets. The demo's own sizes (400 teacher tasks, 30 GRPO steps of 48 rollouts, 50 x 4 held-out
 runs at each stage) cost about 2,300 rollouts; inside mini-swe-agent each rollout starts a Python
 process that imports litellm (about 6 CPU-seconds on this machine), so `bench` is smaller: 150
-teacher tasks, 10 GRPO steps of 4 tasks x 4 rollouts, 28 held-out tasks (4 per family) x 2 runs
+teacher tasks, 10 GRPO steps of 4 tasks x 4 rollouts, the first 28 held-out tasks x 2 runs
 (and one greedy run each after SFT and after RL): about 560 rollouts. `quick` proves the pipeline
 only.
 
@@ -39,7 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rl_steps": 10,
         "rl_group": 4,
         "rl_batch_tasks": 4,
-        "eval_tasks": 28,  # 4 of each of the 7 families
+        "eval_tasks": 28,  # the first 28 held-out tasks: every family, 1 to 6 tasks each
         "eval_n": 2,
     },
     # The demo's own SFT (400 teacher tasks, 400 steps of 16), the bench's RL and evaluations: pi
