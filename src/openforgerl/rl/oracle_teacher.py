@@ -35,12 +35,11 @@ from openforgerl.images import Image
 from openforgerl.rl.prompt_tools import (
     SUBMIT_MARKER,
     ShellTool,
-    example_value,
-    json_schema_in,
     rendered_tools,
     shell_tool,
-    system_text,
+    side_reply,
     text_reply,
+    tool_call_text,
 )
 from openforgerl.tasks import Task
 from openforgerl.tasks.suites.tools_tiny import ANSWER_FILE, FAMILIES, oracle
@@ -164,7 +163,7 @@ class OracleTeacherEngine:
     @staticmethod
     def _read(tools: list[dict[str, Any]], shell: ShellTool, name: str) -> str:
         tool = _file_tool(tools, READ_TOOLS, ())
-        return _call(tool, {"path": name}) if tool else shell.call(f"cat {name}")
+        return tool_call_text(tool["name"], {"path": name}) if tool else shell.call(f"cat {name}")
 
     @staticmethod
     def _write(tools: list[dict[str, Any]], shell: ShellTool, answer: str) -> str:
@@ -172,7 +171,7 @@ class OracleTeacherEngine:
         if tool is None:
             return shell.call(f"echo {answer} > {ANSWER_FILE}")
         content_arg = next(a for a in CONTENT_ARGS if a in tool["parameters"].get("properties", {}))
-        return _call(tool, {"path": ANSWER_FILE, content_arg: answer + "\n"})
+        return tool_call_text(tool["name"], {"path": ANSWER_FILE, content_arg: answer + "\n"})
 
     @staticmethod
     def _finish(prompt: str, shell: ShellTool, text: str) -> str:
@@ -181,11 +180,8 @@ class OracleTeacherEngine:
 
     def _side_reply(self, prompt: str) -> str:
         """A side request (no tools): JSON for a schema asked for (a router), else a short title."""
-        schema = json_schema_in(system_text(prompt))
-        if schema is not None:
-            return json.dumps(example_value(schema), ensure_ascii=False)
         task = next((t for t in self.tasks if t.instruction in prompt), None)
-        return " ".join((task.instruction if task else "Solve the task").split()[:6])
+        return side_reply(prompt, " ".join((task.instruction if task else "Solve the task").split()[:6]))
 
     def _noted(self, task: Task, seen: list[str], call: str, working: str = "") -> str:
         """With `show_work`, a call that follows a tool response opens with a note of what it said
@@ -237,11 +233,6 @@ def _file_tool(tools: list[dict[str, Any]], names: tuple[str, ...], content: tup
             if not content or any(arg in props for arg in content):
                 return tool
     return None
-
-
-def _call(tool: dict[str, Any], arguments: dict[str, str]) -> str:
-    body = json.dumps({"name": tool["name"], "arguments": arguments}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def reference_solutions() -> dict[str, str]:

@@ -38,8 +38,13 @@ class ShellTool:
         for name in self.schema.get("required") or []:
             if name not in arguments:
                 arguments[name] = example_value(props.get(name) or {}, name)
-        body = json.dumps({"name": self.name, "arguments": arguments}, ensure_ascii=False)
-        return f"<tool_call>\n{body}\n</tool_call>"
+        return tool_call_text(self.name, arguments)
+
+
+def tool_call_text(name: str, arguments: Mapping[str, Any]) -> str:
+    """A call as the chat template renders it (Hermes/Qwen `<tool_call>` JSON)."""
+    body = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 def rendered_tools(prompt: str) -> list[dict[str, Any]]:
@@ -116,6 +121,13 @@ def example_value(schema: Mapping[str, Any], name: str = "") -> Any:
     if kind in ("integer", "number"):
         return schema.get("minimum", 1)
     return f"scripted {name}".strip() if name else "scripted"
+
+
+def side_reply(prompt: str, title: str) -> str:
+    """A side request's answer (no tools offered): JSON matching the object schema the system turn
+    asks for (Gemini CLI's router), else `title` (a title generator)."""
+    schema = json_schema_in(system_text(prompt))
+    return json.dumps(example_value(schema), ensure_ascii=False) if schema is not None else title
 
 
 def text_reply(

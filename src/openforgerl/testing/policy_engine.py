@@ -17,7 +17,6 @@ with the real tokenizer and end with the turn-end token, as the tiny model would
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,39 +24,15 @@ from transformers import AutoTokenizer
 
 from openforgerl.engines.base import GenerateResult, SamplingParams
 from openforgerl.images import Image
-from openforgerl.rl.prompt_tools import (  # re-exported: the tests read the prompts with these too
-    COMMAND_ARGS,
-    SHELL_HINTS,
+from openforgerl.rl.prompt_tools import (
     SUBMIT_MARKER,
-    SYSTEM_START,
     TOOL_RESPONSE,
-    TOOLS_END,
     TURN_END,
-    ShellTool,
-    example_value,
-    json_schema_in,
     rendered_tools,
     shell_tool,
-    system_text,
+    side_reply,
     text_reply,
 )
-
-__all__ = [
-    "COMMAND_ARGS",
-    "SHELL_HINTS",
-    "SUBMIT_MARKER",
-    "SYSTEM_START",
-    "TOOLS_END",
-    "TOOL_RESPONSE",
-    "TURN_END",
-    "ScriptedPolicyEngine",
-    "ShellTool",
-    "example_value",
-    "json_schema_in",
-    "rendered_tools",
-    "shell_tool",
-    "system_text",
-]
 
 
 class ScriptedPolicyEngine:
@@ -109,10 +84,7 @@ class ScriptedPolicyEngine:
     def reply(self, prompt: str) -> str:
         tools = rendered_tools(prompt)
         if not tools:
-            schema = json_schema_in(system_text(prompt))
-            if schema is not None:
-                return json.dumps(example_value(schema), ensure_ascii=False)
-            return f"Write {self.content} to {self.filename}"
+            return side_reply(prompt, f"Write {self.content} to {self.filename}")
         shell = shell_tool(tools)
         done = prompt.count(TOOL_RESPONSE)
         if shell is None:
