@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from openforgerl import behaviour as acting
 from openforgerl.engines.base import Engine
 from openforgerl.eval_stats import by_tag, summarize
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
@@ -205,6 +206,8 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
             "training": stats.as_dict() if stats else None,
         },
         "behaviour": behaviour(results, recorded),
+        # Tool errors met, recoveries, give-ups, self-verification (openforgerl.behaviour).
+        "acting": acting_summary(results, tasks),
         "seconds": round(time.monotonic() - t0, 1),
         "seconds_per_rollout_median": round(
             statistics.median([r.seconds.get("total", 0.0) for r in results] or [0.0]), 2
@@ -214,6 +217,21 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     (opts.out / "report.json").write_text(json.dumps(report, indent=2))
     (opts.out / "report.md").write_text(_markdown(report, summary.to_markdown() if summary else ""))
     return report
+
+
+def acting_summary(results: list[RolloutResult], tasks: list[Task]) -> dict[str, Any]:
+    """The rollouts' behaviour metrics (the runner read them from each recorded conversation),
+    over all rollouts and per task tag (family, `faulted`)."""
+    rows = [(r.task_id, r.details["behaviour"]) for r in results if r.details.get("behaviour")]
+    tags = {t.id: t.tags for t in tasks}
+    by: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for task_id, row in rows:
+        for tag in tags.get(task_id, []):
+            by[tag].append(row)
+    return {
+        "all": acting.aggregate(row for _, row in rows),
+        "by_tag": {tag: acting.aggregate(v) for tag, v in sorted(by.items())},
+    }
 
 
 def behaviour(results: list[RolloutResult], recorded: Recorded) -> dict[str, float]:
@@ -337,6 +355,21 @@ def _markdown(report: dict[str, Any], summary_md: str) -> str:
     if report["tasks_without_k_scored_runs"]:
         missing = ", ".join(report["tasks_without_k_scored_runs"])
         lines.append(f"- tasks without {report['k']} scored runs: {missing}")
+    act = report.get("acting", {}).get("all")
+    if act:
+        lines += [
+            "",
+            "| behaviour | rollouts | tool calls (mean) | tool errors (mean) | met an error | "
+            "recovered | gave up | read back its write |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        rows = [("all", act), *report["acting"]["by_tag"].items()]
+        lines += [
+            f"| {name} | {a['rollouts']} | {a['tool_calls_mean']:.2f} | {a['tool_errors_mean']:.2f} | "
+            f"{a['rollouts_with_errors']} | {_rate(a['recovery_rate'])} | {_rate(a['gave_up_rate'])} | "
+            f"{_rate(a['self_verification_rate'])} |"
+            for name, a in rows
+        ]
     if report["by_tag"]:
         lines += ["", "| tag | tasks | runs | mean reward | pass@1 |", "|---|---:|---:|---:|---:|"]
         lines += [
@@ -344,3 +377,7 @@ def _markdown(report: dict[str, Any], summary_md: str) -> str:
             for tag, v in report["by_tag"].items()
         ]
     return "\n".join(lines) + "\n\n" + summary_md
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openforgerl.faults import ToolFaults
+
 SYSTEM_PROMPT = (
     "You are an agent working in a workspace directory. Use the tools to inspect and change files. "
     "Call one tool at a time. When the task is done, call submit with a short answer."
@@ -110,8 +112,15 @@ def _inside(workdir: Path, path: str) -> Path:
     return target
 
 
-def run_tool(name: str, args: dict[str, Any], workdir: Path, timeout: float) -> str:
-    """Execute one tool call; failures come back as text for the model, never as a crash."""
+def run_tool(
+    name: str, args: dict[str, Any], workdir: Path, timeout: float, faults: ToolFaults | None = None
+) -> str:
+    """Execute one tool call; failures come back as text for the model, never as a crash. A task's
+    transient fault (`faults`) answers a matching call with its error instead."""
+    if faults is not None and name in ("bash", "read_file", "write_file"):
+        target = str(args.get("command" if name == "bash" else "path", ""))
+        if (error := faults.error(name, target)) is not None:
+            raise OSError(error)
     if name == "bash":
         try:
             proc = subprocess.run(
@@ -188,6 +197,7 @@ def run(
         {"role": "user", "content": task},
     ]
     out = Outcome()
+    faults = ToolFaults.from_env()
     while out.turns < max_turns:
         out.turns += 1
         body: dict[str, Any] = {"model": model, "messages": messages, "tools": TOOLS}
@@ -218,7 +228,7 @@ def run(
                 if fn.get("name") == "submit":
                     out.stopped, out.answer = "submitted", str(args.get("answer", ""))
                     return out
-                result = run_tool(str(fn.get("name")), args, workdir, tool_timeout)
+                result = run_tool(str(fn.get("name")), args, workdir, tool_timeout, faults)
             except (ValueError, KeyError, OSError) as exc:
                 out.tool_errors += 1
                 result = f"error: {exc}"

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import httpx
 
+from openforgerl import behaviour, faults
 from openforgerl.gui_agent import EXIT_INFRA as GUI_EXIT_INFRA
 from openforgerl.harnesses.base import Harness
 from openforgerl.sampling import derive_seed
@@ -278,6 +279,9 @@ class RunnerConfig:
     # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
     # tasks with harness_options.start_url).
     network: RunNetwork = "gateway"
+    # Read each rollout's behaviour (tool errors, recoveries, self-verification) from its recorded
+    # conversation into its details, in the run state and the gateway's store.
+    behaviour: bool = True
 
 
 class NetworkNotAllowed(ValueError):
@@ -405,6 +409,12 @@ class Runner:
         r.gateway_rollout_id = gw["rollout_id"]
         r.status = Status.RUNNING
         self.state.save(r)
+        statuses = [s for f in task.faults if f.gateway for s in f.gateway]
+        if statuses:  # the task's gateway faults: its first calls are answered with these errors
+            queued = await self._admin.post(
+                f"/admin/rollouts/{gw['rollout_id']}/faults", json={"errors": statuses}
+            )
+            queued.raise_for_status()
         sandbox = self.backend.create(self._spec(task), f"{self.cfg.run_id}-{gw['rollout_id']}"[:64])
         try:
             await sandbox.start()
@@ -415,8 +425,12 @@ class Runner:
             launch = await self.harness(task, base_url, gw["api_key"], sandbox)
             for path, content in launch.files.items():
                 await sandbox.put_file(path, content)
+            # After the set-up: the task's transient faults meet the harness, never the set-up.
+            fault_files, fault_env = faults.environment(task.faults, sandbox.tmpdir, launch.env.get("PATH"))
+            for path, content in fault_files.items():
+                await sandbox.put_file(path, content, mode=0o755 if "/bin/" in path else 0o644)
             t1 = time.monotonic()
-            ran = await sandbox.exec(launch.argv, env=launch.env, timeout=task.timeout)
+            ran = await sandbox.exec(launch.argv, env={**launch.env, **fault_env}, timeout=task.timeout)
             r.seconds["harness"] = time.monotonic() - t1
             if ran.exit_code == launch.infra_exit_code and ran.killed_by is None:
                 tail = (ran.stdout + ran.stderr)[-500:].strip()
@@ -441,7 +455,10 @@ class Runner:
             await asyncio.shield(sandbox.stop())
         r.seconds["total"] = time.monotonic() - t0
         gw_status = "closed" if r.status == Status.DONE else "failed"
-        await self._close_gateway(r.gateway_rollout_id, r.reward, {"outcome": r.outcome}, gw_status)
+        close = {"outcome": r.outcome}
+        if self.cfg.behaviour and (acted := await self._behaviour(r.gateway_rollout_id)) is not None:
+            r.details["behaviour"] = close["behaviour"] = acted
+        await self._close_gateway(r.gateway_rollout_id, r.reward, close, gw_status)
         self.state.save(r)
         return r
 
@@ -501,6 +518,17 @@ class Runner:
         if done.timed_out:
             raise VerifierError(f"the verifier ran over its timeout of {verifier.timeout} s")
         return parse_verifier_output(done.stdout, done.exit_code, done.stderr)
+
+    async def _behaviour(self, rollout_id: str) -> dict[str, Any] | None:
+        """How the policy acted (tool errors, recoveries, ...: `openforgerl.behaviour`), read from
+        the rollout's recorded conversation; None when the gateway cannot say."""
+        try:
+            resp = await self._admin.get(f"/admin/rollouts/{rollout_id}/calls")
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        return behaviour.of_conversation(behaviour.main_conversation(resp.json()["calls"]))
 
     async def _close_gateway(
         self, rollout_id: str, reward: float | None, details: dict[str, Any], status: str

@@ -20,6 +20,10 @@ The engine sees only token ids, so it finds the task in the prompt: the instruct
 the tasks that read the same files in the same order; the values come from the tool responses
 (the ReAct path picks the one task whose files match them; a CLI's responses are unwrapped first:
 mini-swe-agent's `{"returncode", "output"}`, pi's `Command exited with code N`).
+
+A tool response that failed (a task's transient fault: `error: b.txt: Resource temporarily
+unavailable`) is not a value: the teacher reads that file again, noting why ("b.txt could not be
+read: reading it again."). Demonstrations recorded in a clean environment never show this.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from openforgerl.behaviour import is_error
 from openforgerl.engines.base import EngineError, GenerateResult, SamplingParams
 from openforgerl.images import Image
 from openforgerl.rl.prompt_tools import (
@@ -44,7 +49,7 @@ from openforgerl.rl.prompt_tools import (
 from openforgerl.tasks import Task
 from openforgerl.tasks.suites.tools_tiny import ANSWER_FILE, FAMILIES, oracle
 
-ORACLE_SUITES = ("tools-tiny", "claw-basic")  # the suites the teacher can solve
+ORACLE_SUITES = ("tools-tiny", "tools-tiny-faults", "claw-basic")  # the suites the teacher can solve
 _RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 REACT_TOOLS = {"read_file", "write_file", "submit"}
 # File tools an agent CLI may offer (lower-cased names), used when they take a relative `path`.
@@ -114,11 +119,12 @@ class OracleTeacherEngine:
         candidates = [t for t in self.tasks if t.instruction == instruction]
         if not candidates:
             raise EngineError("the oracle teacher knows no task with this instruction")
-        seen = [r.strip() for r in _RESPONSE.findall(prompt)]
+        responses = [r.strip() for r in _RESPONSE.findall(prompt)]
+        seen, failed = _values(responses)
         calls = oracle(candidates[0]).calls
         # The reads are the same for every candidate (same files, same order): no need to choose yet.
         if len(seen) < len(calls) - 1:
-            return self._noted(candidates[0], seen, calls[len(seen)].text())
+            return self._noted(candidates[0], seen, calls[len(seen)].text(), failed=failed)
         task = next((t for t in candidates if self._matches(t, seen)), None)
         if task is None:
             raise EngineError("no task's files match the tool responses in the prompt")
@@ -140,7 +146,7 @@ class OracleTeacherEngine:
         shell = shell_tool(tools)
         if shell is None:
             raise EngineError("the oracle teacher needs a shell tool, and this harness offers none")
-        seen = [_output(r) for r in _RESPONSE.findall(prompt)]
+        seen, failed = _values([_output(r) for r in _RESPONSE.findall(prompt)], _RESPONSE.findall(prompt))
         script = self.solutions.get(task.id)
         if script is not None:  # a reference solution: run it, then finish
             return shell.call(script) if not seen else self._finish(prompt, shell, "The task is done.")
@@ -148,7 +154,7 @@ class OracleTeacherEngine:
             raise EngineError(f"the oracle teacher has no solution for task {task.id}")
         names: list[str] = task.metadata["inputs"]
         if len(seen) < len(names):
-            return self._noted(task, seen, self._read(tools, shell, names[len(seen)]))
+            return self._noted(task, seen, self._read(tools, shell, names[len(seen)]), failed=failed)
         family = FAMILIES[task.metadata["family"]]
         values = seen[: len(names)]
         try:
@@ -183,13 +189,16 @@ class OracleTeacherEngine:
         task = next((t for t in self.tasks if t.instruction in prompt), None)
         return side_reply(prompt, " ".join((task.instruction if task else "Solve the task").split()[:6]))
 
-    def _noted(self, task: Task, seen: list[str], call: str, working: str = "") -> str:
+    def _noted(self, task: Task, seen: list[str], call: str, working: str = "", failed: bool = False) -> str:
         """With `show_work`, a call that follows a tool response opens with a note of what it said
         ('a.txt holds "6".'), and the write with the computation ("6 + 2 = 7 + 1 = 8 + 0 = 8."), as a
-        teacher that shows its work does: the student then copies each value next to where it was read."""
+        teacher that shows its work does: the student then copies each value next to where it was read.
+        After a failed read (`failed`) the note says so and the call reads the file again."""
+        names: list[str] = task.metadata["inputs"]
+        if self.show_work and failed:
+            return f"{names[len(seen)]} could not be read: reading it again.\n{call}"
         if not self.show_work or not seen:
             return call
-        names: list[str] = task.metadata["inputs"]
         note = f'{names[len(seen) - 1]} holds "{seen[-1]}".'
         if working:
             note += f" {working}."
@@ -209,6 +218,14 @@ class OracleTeacherEngine:
         return text_reply(
             self.tokenizer, self.end_id, self.reply(self.tokenizer.decode(prompt_ids)), sampling, 0
         )
+
+
+def _values(outputs: list[str], raw: list[str] | None = None) -> tuple[list[str], bool]:
+    """The tool responses that answered (failed ones left out: their file is read again), and
+    whether the last one failed. `raw`: the responses before a CLI's wrapping was taken off, which
+    carry its exit status."""
+    failed = [is_error(r) for r in (raw if raw is not None else outputs)]
+    return [o for o, bad in zip(outputs, failed, strict=True) if not bad], bool(failed and failed[-1])
 
 
 def _output(response: str) -> str:

@@ -8,7 +8,7 @@ from openforgerl.tasks.loader import (
     register_suite,
     suite_names,
 )
-from openforgerl.tasks.schema import CommandVerifier, PythonVerifier, Resources, Split, Task
+from openforgerl.tasks.schema import CommandVerifier, Fault, PythonVerifier, Resources, Split, Task
 from openforgerl.tasks.verify import (
     SetupError,
     VerifierError,
@@ -20,6 +20,7 @@ from openforgerl.tasks.verify import (
 
 __all__ = [
     "CommandVerifier",
+    "Fault",
     "PythonVerifier",
     "Resources",
     "SetupError",

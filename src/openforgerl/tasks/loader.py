@@ -145,6 +145,7 @@ def dump_tasks(tasks: Iterable[Task], path: str | Path) -> None:
 
 
 register_suite("tools-tiny", tools_tiny.generate)
+register_suite("tools-tiny-faults", lambda: tools_tiny.generate(faults=tools_tiny.FAULT_FRACTION))
 register_suite("claw-basic", lambda: load_task_file(CLAW_BASIC_DIR / "tasks.yaml"))
 
 

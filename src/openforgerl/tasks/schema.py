@@ -47,6 +47,14 @@ Fields
     size with a unit: ``512MiB``/``512Mi`` (binary), ``1GB``/``1G`` (decimal, as in Kubernetes).
 ``image``
     The container image for container backends (the environment; harness adapters install on top).
+``faults``
+    Transient faults of the environment (`openforgerl.faults`), the same on every run of the task:
+    ``{tool: read_file, match: b.txt, error: "b.txt: Resource temporarily unavailable"}`` (a
+    built-in harness tool: ``read_file``, ``write_file``, ``bash``), ``{command: cat, match: b.txt,
+    error: ..., exit_code: 1}`` (a program any harness runs through a shell: a shim goes first on
+    its PATH), both at once (one count: the first read fails whichever way), with ``times`` (default
+    1) failures before the next call succeeds; or ``{gateway: [503]}``: the rollout's first model
+    calls answered with those statuses (429, 500, 503, 529).
 ``tags``, ``metadata``
     Free-form labels and data (e.g. what a task generator drew); the runner ignores them.
 """
@@ -68,6 +76,7 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 Split = Literal["train", "heldout", "test"]
@@ -151,6 +160,25 @@ class Resources(_Model):
     pids: PositiveInt | None = None
 
 
+class Fault(_Model):
+    """One transient fault (see ``faults`` above and `openforgerl.faults`)."""
+
+    tool: Literal["read_file", "write_file", "bash"] | None = None
+    command: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+    match: str | None = Field(default=None, min_length=1)
+    times: PositiveInt = 1
+    error: str = "Resource temporarily unavailable"
+    exit_code: int = Field(default=1, ge=1, le=255)
+    gateway: list[Literal[429, 500, 503, 529]] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def one_place(self) -> Fault:
+        local = self.tool is not None or self.command is not None
+        if local == (self.gateway is not None):
+            raise ValueError("a fault is {tool and/or command: ...} or {gateway: [statuses]}, one of the two")
+        return self
+
+
 class Task(_Model):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     instruction: str = Field(min_length=1)
@@ -163,6 +191,7 @@ class Task(_Model):
     timeout: PositiveFloat = 600.0
     resources: Resources = Field(default_factory=Resources)
     image: str | None = None
+    faults: list[Fault] = Field(default_factory=list)
     tags: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
 

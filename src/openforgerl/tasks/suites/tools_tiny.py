@@ -5,6 +5,12 @@ one-digit numbers, the largest of three, a word in capitals) and writes it with 
 answer.txt: two to four tool calls, short fixed-pattern instructions, a programmatic verifier.
 Tasks are drawn deterministically from a seed; held-out tasks never repeat a training task.
 
+`tools-tiny-faults` is the same tasks where a stated fraction (`FAULT_FRACTION`) carries one
+transient fault: the first read of one of its input files fails with `error: b.txt: Resource
+temporarily unavailable` (the ReAct harness's `read_file`, or `cat: b.txt: ...` through any
+harness's shell), and the next read succeeds. Which tasks and which file are drawn from the seed
+and the task's id, so every run and every model meets the same faults.
+
 `oracle(task)` is the rule-based solver: the tool calls and final answer that solve a task, which
 an SFT step distils into the model (in the Hermes `<tool_call>` format: `OracleCall.text()`).
 """
@@ -18,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openforgerl.tasks.schema import PythonVerifier, Split, Task
+from openforgerl.tasks.schema import Fault, PythonVerifier, Split, Task
 
 ANSWER_FILE = "answer.txt"
+FAULT_FRACTION = 0.5  # of tools-tiny-faults' tasks, train and held-out alike
+FAULT_ERROR = "Resource temporarily unavailable"  # EAGAIN's message: a file briefly locked
 VERIFIER = f"{__name__}:verify_answer"
 _LETTERS = "abcdefgh"
 # Few words and one-digit numbers: every answer is a small lookup a 2M-parameter model can learn
@@ -125,8 +133,14 @@ _FAMILIES = (
 FAMILIES: dict[str, _Family] = {f.name: f for f in _FAMILIES}
 
 
-def generate(seed: int = 0, n_train: int = 1000, n_heldout: int = 50) -> list[Task]:
-    """`n_train` train tasks then `n_heldout` held-out ones, the families taking turns."""
+def transient_fault(name: str) -> Fault:
+    """The first read of file `name` fails, by the ReAct harness's read_file or `cat` in a shell."""
+    return Fault(tool="read_file", command="cat", match=name, error=f"{name}: {FAULT_ERROR}")
+
+
+def generate(seed: int = 0, n_train: int = 1000, n_heldout: int = 50, faults: float = 0.0) -> list[Task]:
+    """`n_train` train tasks then `n_heldout` held-out ones, the families taking turns; a fraction
+    `faults` of them (drawn per task from the seed and its id) carries one transient fault."""
     rng = random.Random(seed)
     seen: set[tuple[Any, ...]] = set()
     tasks: list[Task] = []
@@ -145,9 +159,14 @@ def generate(seed: int = 0, n_train: int = 1000, n_heldout: int = 50) -> list[Ta
         split: Split = "train" if len(tasks) < n_train else "heldout"
         index = len(tasks) if split == "train" else len(tasks) - n_train
         files = {name: f"{value}\n" for name, value in zip(names, values, strict=True)}
+        task_id = f"tools-tiny-{split}-{index:04d}"
+        # Its own generator: the tasks drawn stay the same whatever the fraction.
+        draw = random.Random(f"faults:{seed}:{task_id}")
+        faulted = draw.random() < faults
+        fault = transient_fault(draw.choice(names)) if faulted else None
         tasks.append(
             Task(
-                id=f"tools-tiny-{split}-{index:04d}",
+                id=task_id,
                 instruction=family.instruction.format(**{f"f{i}": n for i, n in enumerate(names)}),
                 split=split,
                 files=files,
@@ -156,7 +175,8 @@ def generate(seed: int = 0, n_train: int = 1000, n_heldout: int = 50) -> list[Ta
                     kwargs={"expected": family.answer([str(v) for v in values])},
                 ),
                 timeout=120,
-                tags=["tools-tiny", family.name],
+                faults=[fault] if fault else [],
+                tags=["tools-tiny", family.name, *(["faulted"] if fault else [])],
                 metadata={"family": family.name, "inputs": names, "seed": seed},
             )
         )
