@@ -1,12 +1,16 @@
 """Learning: the demo pipeline (`openforgerl.demo`) over several seeds, side by side.
 
-For each seed, a fresh model, oracle SFT, GRPO, and held-out evaluations before SFT, after SFT and
-after RL. Reports per seed and mean ± 95% CI over seeds (Student t): held-out pass@1 at each stage
-(sampled at the demo's temperature, and greedy: one run per task), RL's gain over SFT in both, wall
-time per phase, trainer tokens per second. The issue's goal is RL beating SFT by at least 15 points
-of held-out pass@1.
+For each seed, a fresh model, oracle SFT, GRPO on train tasks of which about half carry a transient
+fault, and held-out evaluations on the faulted tasks (before SFT, after SFT, after RL) and on the
+clean ones (after SFT, after RL). Reports per seed and mean ± 95% CI over seeds (Student t): held-out
+pass@1 per stage and condition (sampled at the demo's temperature, and greedy: one run per task),
+RL − SFT paired by task within each seed with its 95% interval, the recovery rate after a fault, wall
+time per phase, trainer tokens per second. Issue #21's goal: RL − SFT on faulted held-out tasks
+>= +15 points with every seed's interval above 0, on clean ones >= -3 points, recovery <= 10% after
+SFT and >= 70% after RL.
 
     .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--quick] [--overlap]
+                                            [--teacher-faulted N] [--rl-lr LR]
                                             [--out benchmarks/results/learning.json]
 
 Each seed's run folder (default benchmarks/results/learning-runs/seed-N) is kept: a rerun
@@ -37,8 +41,14 @@ def mean_ci(values: list[float]) -> dict[str, float]:
     return {"mean": m, "ci95": half, "n": len(values)}
 
 
-def one_seed(seed: int, root: Path, quick: bool, overlap: bool) -> dict[str, Any]:
+def one_seed(
+    seed: int, root: Path, quick: bool, overlap: bool, teacher_faulted: int | None, rl_lr: float | None
+) -> dict[str, Any]:
     cfg = demo.DemoConfig(out=root / f"seed-{seed}", seed=seed, progress=False, overlap=overlap)
+    if teacher_faulted is not None:
+        cfg = dataclasses.replace(cfg, teacher_faulted=teacher_faulted)
+    if rl_lr is not None:
+        cfg = dataclasses.replace(cfg, rl_lr=rl_lr)
     if quick:
         cfg = dataclasses.replace(cfg, **demo.QUICK)  # type: ignore[arg-type]
     report = demo.run(cfg)
@@ -50,11 +60,29 @@ def one_seed(seed: int, root: Path, quick: bool, overlap: bool) -> dict[str, Any
             k: v["greedy pass@1"]["estimate"] if v.get("greedy pass@1") else None for k, v in ev.items()
         },
         # RL - SFT paired by task within this seed, with its bootstrap interval over tasks.
-        "rl_minus_sft_paired": report.get("rl_minus_sft"),
+        "rl_minus_sft_faults": report.get("rl_minus_sft_faults"),
+        "rl_minus_sft_clean": report.get("rl_minus_sft_clean"),
+        "recovery_rate": report.get("recovery_rate"),
+        "teacher": report.get("teacher"),
         "seconds": report["seconds"],
         "total_seconds": report["total_seconds"],
         "trainer_tokens_per_s": report["trainer_tokens_per_s"],
     }
+
+
+STAGES = ("before-faults", "sft-faults", "rl-faults", "sft", "rl")
+
+
+def _ci(v: dict[str, float] | None, scale: float = 1.0, unit: str = "") -> str:
+    return (
+        f"{v['mean'] * scale:+.1f} ± {v['ci95'] * scale:.1f}{unit}"
+        if v and unit
+        else (f"{v['mean']:.3f} ± {v['ci95']:.3f}" if v else "—")
+    )
+
+
+def _paired(g: dict[str, float] | None) -> str:
+    return f"{g['estimate'] * 100:+.1f} ({g['low'] * 100:+.1f} to {g['high'] * 100:+.1f})" if g else "—"
 
 
 def main() -> None:
@@ -62,49 +90,71 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--quick", action="store_true", help="toy sizes (the pipeline, not learning)")
     ap.add_argument("--overlap", action="store_true", help="RL with rollout/training overlap")
+    ap.add_argument("--teacher-faulted", type=int, default=None, help="the demo's teacher_faulted")
+    ap.add_argument("--rl-lr", type=float, default=None, help="the demo's rl_lr")
     ap.add_argument("--runs", type=Path, default=Path("benchmarks/results/learning-runs"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/learning.json"))
     args = ap.parse_args()
-    seeds = [one_seed(s, args.runs, args.quick, args.overlap) for s in args.seeds]
-    stages = ("before", "sft", "rl")
+    seeds = [
+        one_seed(s, args.runs, args.quick, args.overlap, args.teacher_faulted, args.rl_lr) for s in args.seeds
+    ]
     summary: dict[str, Any] = {}
-    for metric, gain in (("pass@1", "gain/rl_minus_sft"), ("greedy_pass@1", "gain_greedy/rl_minus_sft")):
-        for stage in stages:  # greedy has no "before" (the demo skips it for the untrained model)
-            values = [s[metric][stage] for s in seeds if s[metric][stage] is not None]
+    for metric in ("pass@1", "greedy_pass@1"):
+        for stage in STAGES:  # greedy has no "before" (the demo skips it for the untrained model)
+            values = [s[metric].get(stage) for s in seeds if s[metric].get(stage) is not None]
             summary[f"{metric}/{stage}"] = mean_ci(values) if values else None
-        summary[gain] = mean_ci([(s[metric]["rl"] or 0.0) - (s[metric]["sft"] or 0.0) for s in seeds])
+    for condition in ("faults", "clean"):
+        for metric in ("pass@1", "greedy pass@1"):
+            gains = [s[f"rl_minus_sft_{condition}"][metric] for s in seeds if s[f"rl_minus_sft_{condition}"]]
+            values = [g["estimate"] for g in gains if g]
+            summary[f"rl_minus_sft_{condition}/{metric}"] = mean_ci(values) if values else None
+    for stage in ("before", "sft", "rl"):
+        values = [s["recovery_rate"][stage] for s in seeds if s["recovery_rate"].get(stage) is not None]
+        summary[f"recovery_rate/{stage}"] = mean_ci(values) if values else None
     phases = sorted({p for s in seeds for p in s["seconds"]})
     summary["seconds"] = {p: statistics.median([s["seconds"].get(p, 0.0) for s in seeds]) for p in phases}
     summary["total_seconds_median"] = statistics.median([s["total_seconds"] for s in seeds])
     for kind in ("sft_median", "rl_median"):
         values = [s["trainer_tokens_per_s"][kind] for s in seeds if s["trainer_tokens_per_s"][kind]]
         summary[f"trainer_tokens_per_s/{kind.split('_')[0]}"] = statistics.median(values) if values else None
-    result = {"config": {"quick": args.quick, "overlap": args.overlap}, "seeds": seeds, "summary": summary}
+    config = {
+        "quick": args.quick,
+        "overlap": args.overlap,
+        "teacher_faulted": args.teacher_faulted,
+        "rl_lr": args.rl_lr,
+    }
+    result = {"config": config, "seeds": seeds, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     json.dump(result, sys.stdout, indent=2)
     print()
-    print("| stage | held-out pass@1 (mean ± 95% CI over seeds) | greedy (one run per task) |")
-    print("|---|---:|---:|")
-    for stage in stages:
-        cells = [summary[f"{m}/{stage}"] for m in ("pass@1", "greedy_pass@1")]
-        shown = [f"{v['mean']:.3f} ± {v['ci95']:.3f}" if v else "—" for v in cells]
-        print(f"| {stage} | {shown[0]} | {shown[1]} |")
-    g, h = summary["gain/rl_minus_sft"], summary["gain_greedy/rl_minus_sft"]
     print(
-        f"| RL − SFT | {g['mean'] * 100:+.1f} ± {g['ci95'] * 100:.1f} points"
-        f" | {h['mean'] * 100:+.1f} ± {h['ci95'] * 100:.1f} points |"
+        "| stage | held-out pass@1 (mean ± 95% CI over seeds) | greedy (one run per task) "
+        "| recovered after a fault |"
     )
+    print("|---|---:|---:|---:|")
+    for stage in STAGES:
+        cells = [summary[f"{m}/{stage}"] for m in ("pass@1", "greedy_pass@1")]
+        rec = (
+            summary.get(f"recovery_rate/{stage.removesuffix('-faults')}")
+            if stage.endswith("-faults")
+            else None
+        )
+        print(f"| {stage} | {_ci(cells[0])} | {_ci(cells[1])} | {_ci(rec)} |")
+    for condition in ("faults", "clean"):
+        g, h = (summary[f"rl_minus_sft_{condition}/{m}"] for m in ("pass@1", "greedy pass@1"))
+        print(f"| RL − SFT, {condition} | {_ci(g, 100, ' points')} | {_ci(h, 100, ' points')} | |")
     print()
-    print("| seed | RL − SFT, paired by task (95% interval), points | greedy |")
-    print("|---:|---|---|")
+    print(
+        "| seed | RL − SFT faulted, paired (95% interval), points | greedy | RL − SFT clean | greedy "
+        "| recovery SFT → RL |"
+    )
+    print("|---:|---|---|---|---|---|")
     for s in seeds:
-        paired = s["rl_minus_sft_paired"] or {}
-        shown = [
-            f"{g['estimate'] * 100:+.1f} ({g['low'] * 100:+.1f} to {g['high'] * 100:+.1f})" if g else "—"
-            for g in (paired.get("pass@1"), paired.get("greedy pass@1"))
-        ]
-        print(f"| {s['seed']} | {shown[0]} | {shown[1]} |")
+        f, c, r = s["rl_minus_sft_faults"] or {}, s["rl_minus_sft_clean"] or {}, s["recovery_rate"]
+        cells = [_paired(x.get(m)) for x in (f, c) for m in ("pass@1", "greedy pass@1")]
+        rec = " → ".join("—" if r.get(k) is None else f"{r[k]:.0%}" for k in ("sft", "rl"))
+        print(f"| {s['seed']} | {' | '.join(cells)} | {rec} |")
 
 
 if __name__ == "__main__":

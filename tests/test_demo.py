@@ -39,10 +39,13 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     assert report["sft"]["val_samples"] == 2
     assert report["sft"]["val_loss_after"] < report["sft"]["val_loss_before"]
 
-    # Three evaluations on held-out tasks only, each with n runs per task and an interval, and
-    # beside those after SFT and after RL a greedy one: one run per task at temperature 0.
-    assert list(report["evaluations"]) == ["before", "sft", "rl"]
+    # Held-out evaluations only, each with n runs per task and an interval: on the faulted tasks
+    # before SFT, after SFT and after RL, and on the clean ones after SFT and after RL; beside those
+    # after SFT and after RL a greedy one: one run per task at temperature 0.
+    assert list(report["evaluations"]) == ["before-faults", "sft-faults", "sft", "rl-faults", "rl"]
     families = [t.metadata["family"] for t in load_tasks("tools-tiny", split="heldout")[:2]]
+    faulted = [bool(t.faults) for t in load_tasks("tools-tiny-faults", split="heldout")[:2]]
+    assert faulted == [True, True]  # both toy tasks carry their fault
     for name, ev in report["evaluations"].items():
         assert ev["rollouts"] == 4, name
         assert 0.0 <= ev["pass@1"]["low"] <= ev["pass@1"]["estimate"] <= ev["pass@1"]["high"] <= 1.0
@@ -50,21 +53,33 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         assert sampled["seed"] == cfg.seed, name  # every stage on the same random numbers
         runs = sampled["summary"]["per_task"]
         assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
-        # Per task family: the two tasks' families, one task each.
-        assert {f: v["tasks"] for f, v in ev["by_family"].items()} == {f: 1 for f in families}, name
-        if name == "before":  # the untrained model: no greedy evaluation
-            assert ev["greedy pass@1"] is None and not (out / "eval" / "before-greedy").exists()
+        # Per task family: the two tasks' families, one task each (and the faulted ones).
+        expected = {f: 1 for f in families} | ({"faulted": 2} if name.endswith("-faults") else {})
+        assert {f: v["tasks"] for f, v in ev["by_family"].items()} == expected, name
+        # What the rollouts did, read from their conversations: every faulted rollout met its error.
+        assert ev["behaviour"]["rollouts"] == 4, name
+        if name.endswith("-faults"):
+            assert ev["behaviour"]["rollouts_with_errors"] >= 1, name
+            assert ev["behaviour"]["recovery_rate"] is not None, name
+        if name == "before-faults":  # the untrained model: no greedy evaluation
+            assert ev["greedy pass@1"] is None and not (out / "eval" / "before-faults-greedy").exists()
             continue
         greedy = json.loads((out / "eval" / f"{name}-greedy" / "report.json").read_text())
         assert greedy["rollouts"] == 2 and greedy["temperature"] == 0.0, name
         assert ev["greedy pass@1"]["estimate"] == greedy["summary"]["pass@k"]["1"]["estimate"]
 
-    # RL's gain over SFT, paired by task: the mean change, inside its interval.
-    for metric in ("pass@1", "greedy pass@1"):
-        gain = report["rl_minus_sft"][metric]
-        ev = report["evaluations"]
-        assert gain["estimate"] == pytest.approx(ev["rl"][metric]["estimate"] - ev["sft"][metric]["estimate"])
-        assert -1.0 <= gain["low"] <= gain["estimate"] <= gain["high"] <= 1.0
+    # RL's gain over SFT, paired by task, with and without the faults: the mean change, inside its
+    # interval; and the recovery rate of each model on the faulted tasks.
+    ev = report["evaluations"]
+    for condition, suffix in (("faults", "-faults"), ("clean", "")):
+        for metric in ("pass@1", "greedy pass@1"):
+            gain = report[f"rl_minus_sft_{condition}"][metric]
+            change = ev[f"rl{suffix}"][metric]["estimate"] - ev[f"sft{suffix}"][metric]["estimate"]
+            assert gain["estimate"] == pytest.approx(change)
+            assert -1.0 <= gain["low"] <= gain["estimate"] <= gain["high"] <= 1.0
+    assert set(report["recovery_rate"]) == {"before", "sft", "rl"}
+    assert report["recovery_rate"]["rl"] == ev["rl-faults"]["behaviour"]["recovery_rate"]
+    assert report["teacher"].startswith("clean")  # the teacher's weakness, said in the report
 
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
@@ -75,15 +90,20 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
 
     md = (out / "report.md").read_text()
     for row in (
-        "| before SFT |",
-        "| after SFT |",
-        "| after RL (GRPO) |",
-        "| greedy pass@1 (1 run per task) |",
-        "RL over SFT on held-out pass@1: ",
-        "RL over SFT on held-out greedy pass@1: ",
+        "| before SFT, faulted tasks |",
+        "| after SFT, faulted tasks |",
+        "| after SFT, clean tasks |",
+        "| after RL (GRPO), faulted tasks |",
+        "| after RL (GRPO), clean tasks |",
+        "| greedy pass@1 (1 run per task) | met an error | recovered |",
+        "RL over SFT on held-out pass@1, faults: ",
+        "RL over SFT on held-out greedy pass@1, clean: ",
+        "The teacher's weakness, on purpose: clean",
         "![reward curve](reward_curve.png)",
         "held-out teacher trajectories (never trained on) ",
-        "| model | " + " | ".join(f"{f} (1)" for f in sorted(families)) + " |",
+        "| model | "
+        + " | ".join(f"{f} ({2 if f == 'faulted' else 1})" for f in sorted([*families, "faulted"]))
+        + " |",
     ):
         assert row in md
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

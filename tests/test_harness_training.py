@@ -180,6 +180,40 @@ def test_the_harness_study_puts_one_checkpoint_under_three_harnesses_side_by_sid
     assert all(f"| {name} | " in table for name in rows) and "mini-swe-agent 2.4.6" in table
 
 
+def test_a_faulted_task_inside_real_clis_meets_its_fault_through_the_shell_and_the_report_says_so(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """tools-tiny-faults' first held-out tasks through mini-swe-agent and pi: the fault is a `cat`
+    shim on the harness's PATH. mini-swe-agent reads with `cat` in its shell, meets the error and
+    (the teacher) reads again; pi reads with its own in-process `read` tool, which no shim can
+    fault: the report shows the one recovering and the other never meeting an error."""
+    for name in ("mini-swe-agent", "pi"):
+        _ready(name)
+    from openforgerl.evaluate import EvalOptions, run_study
+    from openforgerl.rl.oracle_teacher import OracleTeacherEngine
+    from openforgerl.tasks import load_tasks
+
+    tasks = load_tasks("tools-tiny-faults", split="heldout")[:2]
+    assert all(t.faults for t in tasks)
+    opts = EvalOptions(
+        tasks="tools-tiny-faults",
+        split="heldout",
+        limit=2,
+        model=str(tiny_model_dir),
+        out=tmp_path,
+        progress=False,
+    )
+    study = run_study(opts, ["mini-swe-agent", "pi"], OracleTeacherEngine(tiny_model_dir, tasks))
+    mini, pi = (study["harnesses"][n] for n in ("mini-swe-agent", "pi"))
+    for report in (mini, pi):
+        assert report["summary"]["pass@k"]["1"]["estimate"] == 1.0
+    acted = mini["acting"]["by_tag"]["faulted"]
+    assert acted["rollouts_with_errors"] == 2 and acted["tool_errors_mean"] == 1.0
+    assert acted["recovery_rate"] == 1.0 and acted["gave_up_rate"] == 0.0
+    assert pi["acting"]["all"]["rollouts_with_errors"] == 0 and pi["acting"]["all"]["recovery_rate"] is None
+    assert "| faulted | 2 |" in (tmp_path / "mini-swe-agent" / "report.md").read_text()
+
+
 @pytest.mark.parametrize("name", ["claude-code", "codex"])
 def test_a_long_context_student_generates_inside_a_cli_with_a_15k_token_prompt(
     name: str, tmp_path: Path

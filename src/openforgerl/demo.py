@@ -42,6 +42,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 SUITE = "tools-tiny"
+# The same tasks, half of them with one transient fault (the first read of one input file fails):
+# GRPO trains on its train tasks, and every model is evaluated on its held-out tasks with the faults
+# (the headline: recovery, which clean demonstrations never show) and without (the control).
+FAULTS_SUITE = "tools-tiny-faults"
 
 
 @dataclass
@@ -56,6 +60,9 @@ class DemoConfig:
     # student copies values next to where it read them and can work out sums it never saw (seed 2,
     # held-out pass@1 after SFT: 0.33 with one-step sums "6 + 2 = 8.", 0.53 with counted ones).
     teacher_shows_work: bool = True
+    # How many of the teacher's tasks meet their transient fault (it reads the file again): 0, a
+    # teacher that recorded every demonstration in a clean environment, never showing a retry.
+    teacher_faulted: int = 0
     # 400 steps of 16 (about 430 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
     # copies every value by step 200; the held-out teacher trajectories' loss is 0.02 at step 400.
     sft_epochs: int = 16
@@ -109,14 +116,16 @@ def _phase(name: str, done: bool, seconds: dict[str, float], fn: Callable[[], An
     print(f"[{name}] {seconds[name]:.0f} s", flush=True)
 
 
-def evaluate_model(cfg: DemoConfig, model_dir: Path, name: str, greedy: bool = False) -> dict[str, Any]:
-    """Held-out evaluation into eval/NAME: n runs per task at the demo's temperature, or one
-    greedy run per task."""
+def evaluate_model(
+    cfg: DemoConfig, model_dir: Path, name: str, greedy: bool = False, tasks: str = SUITE
+) -> dict[str, Any]:
+    """Held-out evaluation of `tasks` into eval/NAME: n runs per task at the demo's temperature, or
+    one greedy run per task."""
     from openforgerl.evaluate import EvalOptions, run_eval
 
     n = 1 if greedy else cfg.eval_n
     opts = EvalOptions(
-        tasks=SUITE,
+        tasks=tasks,
         harness=cfg.harness,
         split="heldout",
         limit=cfg.eval_tasks,
@@ -169,7 +178,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         samples = oracle_samples(
             model_dir,
             out / "teacher",
-            tasks=SUITE,
+            tasks=FAULTS_SUITE,
+            faulted=cfg.teacher_faulted,
             limit=cfg.teacher_tasks,
             max_turns=cfg.max_turns,
             concurrency=cfg.concurrency,
@@ -198,19 +208,25 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
 
     evals: dict[str, dict[str, Any]] = {}
 
-    def run_eval_phase(name: str, model: Path, greedy_too: bool = True) -> None:
-        for key, greedy in [(name, False)] + [(f"{name}-greedy", True)] * (cfg.greedy_eval and greedy_too):
-            report_file = out / "eval" / key / "report.json"
-            _phase(
-                f"eval-{key}",
-                report_file.exists(),
-                seconds,
-                functools.partial(evaluate_model, cfg, model, key, greedy),
-            )
-            evals[key] = json.loads(report_file.read_text())
-            save_timings()
+    def run_eval_phase(stage: str, model: Path, greedy_too: bool = True, clean_too: bool = True) -> None:
+        """eval/STAGE-faults on the faulted held-out tasks, eval/STAGE on the clean ones; each
+        sampled, and greedy (…-greedy) too."""
+        for name, suite in [(f"{stage}-faults", FAULTS_SUITE)] + [(stage, SUITE)] * clean_too:
+            for key, greedy in [(name, False)] + [(f"{name}-greedy", True)] * (
+                cfg.greedy_eval and greedy_too
+            ):
+                report_file = out / "eval" / key / "report.json"
+                _phase(
+                    f"eval-{key}",
+                    report_file.exists(),
+                    seconds,
+                    functools.partial(evaluate_model, cfg, model, key, greedy, suite),
+                )
+                evals[key] = json.loads(report_file.read_text())
+                save_timings()
 
-    run_eval_phase("before", model_dir, greedy_too=False)  # random weights: greedy shows nothing more
+    # Random weights: greedy, or the clean tasks, show nothing more.
+    run_eval_phase("before", model_dir, greedy_too=False, clean_too=False)
 
     sft_summary_file = sft_dir / "sft_summary.json"
 
@@ -240,7 +256,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     opts = TrainOptions(
         model=str(sft_dir),
         out=rl_dir,
-        tasks=SUITE,
+        tasks=FAULTS_SUITE,
         harness=cfg.harness,
         steps=cfg.rl_steps,
         group=cfg.rl_group,
@@ -323,6 +339,8 @@ def build_report(
             "mean_reward": _interval(s, "mean_reward", 0),
             "rollouts": ev["rollouts"],
             "outcomes": ev["outcomes"],
+            # Tool errors met, recovered, gave up, read back (openforgerl.behaviour).
+            "behaviour": ev.get("acting", {}).get("all", {}),
             # The suite tags each task with its family (add, copy, ...).
             "by_family": {
                 tag: {"tasks": v["tasks"], "pass@1": v["pass@k"]["1"]}
@@ -334,11 +352,29 @@ def build_report(
         "suite": SUITE,
         "harness": cfg.harness,
         "harness_version": ", ".join(sorted(versions)),
-        # RL's gain over SFT, paired by task: the evaluations' shared task difficulty drops out.
-        "rl_minus_sft": {
-            "pass@1": _paired_gain(evals, "sft", "rl"),
-            "greedy pass@1": _paired_gain(evals, "sft-greedy", "rl-greedy"),
+        "faults_suite": FAULTS_SUITE,
+        # RL's gain over SFT, paired by task (the evaluations' shared task difficulty drops out), on
+        # the held-out tasks with their transient faults (the headline) and without (the control).
+        **{
+            f"rl_minus_sft_{condition}": {
+                "pass@1": _paired_gain(evals, f"sft{suffix}", f"rl{suffix}"),
+                "greedy pass@1": _paired_gain(evals, f"sft{suffix}-greedy", f"rl{suffix}-greedy"),
+            }
+            for condition, suffix in (("faults", "-faults"), ("clean", ""))
         },
+        # Of the faulted held-out rollouts that met an error: the share that then read the file.
+        "recovery_rate": {
+            stage: evals[f"{stage}-faults"].get("acting", {}).get("all", {}).get("recovery_rate")
+            for stage in ("before", "sft", "rl")
+            if f"{stage}-faults" in evals
+        },
+        "teacher": (
+            "clean: the ORACLE teacher's demonstrations are recorded without faults, so they never "
+            "show a failed tool call or a retry"
+            if not cfg.teacher_faulted
+            else f"{cfg.teacher_faulted} of its {cfg.teacher_tasks} demonstrations met a transient "
+            "fault and read the file again; the others were recorded without faults"
+        ),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
         "evaluations": phases,
         "sft": sft_summary,
@@ -407,7 +443,13 @@ def _loss(sft: dict[str, Any], key: str) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     n = cfg["eval_n"]
-    names = {"before": "before SFT", "sft": "after SFT", "rl": "after RL (GRPO)"}
+    names = {
+        "before-faults": "before SFT, faulted tasks",
+        "sft-faults": "after SFT, faulted tasks",
+        "sft": "after SFT, clean tasks",
+        "rl-faults": "after RL (GRPO), faulted tasks",
+        "rl": "after RL (GRPO), clean tasks",
+    }
     harness = report.get("harness", "react")
     inside = "the built-in ReAct harness" if harness == "react" else f"the {harness} agent CLI"
     lines = [
@@ -418,27 +460,39 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"({cfg['rl_batch_tasks']} tasks x {cfg['rl_group']} rollouts per step), all through "
         f"{inside} ({report.get('harness_version', '')}) in local sandboxes and the recording gateway.",
         "",
+        f"GRPO trains on {report.get('faults_suite', '')}: the same train tasks, about half of them with "
+        "one transient fault (the first read of one input file fails: `error: b.txt: Resource "
+        "temporarily unavailable`; the next read succeeds). The teacher's weakness, on purpose: "
+        f"{report.get('teacher', '')}. Each model is evaluated on the held-out tasks with their faults "
+        "(the headline) and without them (the control); *recovered* is the share of the rollouts that "
+        "met an error and then read that file successfully.",
+        "",
         f"Held-out tasks, {n} sampled runs each at temperature {cfg['temperature']:g} (the RL rollouts' "
         f"temperature), seeded with {cfg['seed']} for every model: each model meets the same random "
         "numbers, so a rerun repeats its figures and the differences are the models'. 95% bootstrap "
         "intervals over tasks.",
         "",
-        f"| model | pass@1 | pass^{n} | mean reward | rollouts | greedy pass@1 (1 run per task) |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| model | pass@1 | pass^{n} | mean reward | rollouts | greedy pass@1 (1 run per task) | "
+        "met an error | recovered |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, ev in report["evaluations"].items():
+        acted = ev.get("behaviour") or {}
+        recovered = acted.get("recovery_rate")
         lines.append(
             f"| {names.get(key, key)} | {_fmt(ev['pass@1'])} | {_fmt(ev[f'pass^{n}'])} | "
-            f"{_fmt(ev['mean_reward'])} | {ev['rollouts']} | {_fmt(ev.get('greedy pass@1'))} |"
+            f"{_fmt(ev['mean_reward'])} | {ev['rollouts']} | {_fmt(ev.get('greedy pass@1'))} | "
+            f"{acted.get('rollouts_with_errors', '—')} | {'—' if recovered is None else f'{recovered:.0%}'} |"
         )
     evs = report["evaluations"]
-    for metric, gain in report.get("rl_minus_sft", {}).items():
-        if gain:
-            lines += [
-                "",
-                f"RL over SFT on held-out {metric}: {gain['estimate'] * 100:+.1f} points (paired by task, "
-                f"95% interval {gain['low'] * 100:+.1f} to {gain['high'] * 100:+.1f}).",
-            ]
+    for condition in ("faults", "clean"):
+        for metric, gain in report.get(f"rl_minus_sft_{condition}", {}).items():
+            if gain:
+                lines += [
+                    "",
+                    f"RL over SFT on held-out {metric}, {condition}: {gain['estimate'] * 100:+.1f} points "
+                    f"(paired by task, 95% interval {gain['low'] * 100:+.1f} to {gain['high'] * 100:+.1f}).",
+                ]
     tasks = {f: v["tasks"] for ev in evs.values() for f, v in ev.get("by_family", {}).items()}
     if tasks:
         lines += [

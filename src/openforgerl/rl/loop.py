@@ -85,6 +85,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from openforgerl import behaviour
 from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
 from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_thread
@@ -642,6 +643,9 @@ def _train_on(
     metrics["time/wait"] = waited
     metrics["rollout_tokens"] = sum(len(s.input_ids) for r in batch.rollouts for s in r.samples)
     metrics["outcomes"] = _count(r.outcome or r.status.value for r in batch.results)
+    # How the rollouts acted (tool errors met, recovered, gave up: openforgerl.behaviour).
+    acted = behaviour.aggregate(r.details["behaviour"] for r in batch.results if r.details.get("behaviour"))
+    metrics.update({f"behaviour/{k}": v for k, v in acted.items() if isinstance(v, int | float)})
     metrics.update(batch.metrics)
     t1 = time.monotonic()
     checkpoint = opts.out / "checkpoints" / f"step-{step:06d}"

@@ -251,12 +251,16 @@ def oracle_samples(
     progress: bool = True,
     show_work: bool = True,
     harness: str = "react",
+    faulted: int | None = None,
 ) -> list[Sample]:
     """Teacher trajectories from the ORACLE teacher (tools-tiny, claw-basic): each task run once
     through `harness` (the built-in ReAct loop or an agent CLI) with the oracle engine behind the
     gateway, acting through that harness's own tools; the rollouts it solved, as merged samples in
     the student's chat template (the gateway renders with `model_dir`'s tokenizer). `show_work`:
-    the teacher notes each value it read and writes out the computation before its calls."""
+    the teacher notes each value it read and writes out the computation before its calls.
+    `faulted`: of the chosen tasks that carry transient faults (tools-tiny-faults), only the first
+    `faulted` keep them, the others run clean (None: all keep them); the teacher reads a failed file
+    again."""
     from openforgerl.evaluate import EvalOptions, run_rollouts
     from openforgerl.rl.oracle_teacher import ORACLE_SUITES, OracleTeacherEngine, reference_solutions
     from openforgerl.runner import Status
@@ -265,6 +269,10 @@ def oracle_samples(
     if tasks not in ORACLE_SUITES:
         raise ValueError(f"the oracle teacher knows {' and '.join(ORACLE_SUITES)}, not {tasks!r}")
     chosen = load_tasks(tasks, split=split)[:limit]  # type: ignore[arg-type]
+    if faulted is not None:
+        keep = {t.id for t in chosen if t.faults}
+        keep = set(sorted(keep)[:faulted])
+        chosen = [t if t.id in keep else t.model_copy(update={"faults": []}) for t in chosen]
     opts = EvalOptions(
         tasks=tasks,
         harness=harness,

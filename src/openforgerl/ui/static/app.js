@@ -168,6 +168,11 @@ function evalSection(evals) {
     ["rollouts (scored)", (e) => `${e.report.rollouts ?? "–"} (${e.report.scored ?? "–"})`],
     ["outcomes", (e) => Object.entries(e.report.outcomes || {}).map(([k, v]) => `${k}: ${v}`).join(", ")],
     ["tokens (prompt / completion)", (e) => `${fmt.int(e.report.tokens?.prompt)} / ${fmt.int(e.report.tokens?.completion)}`],
+    // What the rollouts did, read from their conversations (openforgerl.behaviour).
+    ["rollouts that met a tool error", (e) => e.report.acting?.all?.rollouts_with_errors],
+    ["recovered after an error", (e) => fmt.pct(e.report.acting?.all?.recovery_rate)],
+    ["gave up after an error", (e) => fmt.pct(e.report.acting?.all?.gave_up_rate)],
+    ["read back its own write", (e) => fmt.pct(e.report.acting?.all?.self_verification_rate)],
     ["time", (e) => fmt.secs(e.report.seconds)],
   ];
   return section("Evaluations", "Each column is one eval report; 95% confidence intervals in brackets, the best estimate in bold.",

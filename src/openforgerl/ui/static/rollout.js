@@ -143,6 +143,7 @@ export async function renderRollout(page, run, id) {
       ["harness exit code", runner.details?.harness?.exit_code ?? "–"],
       ["seconds", Object.entries(runner.seconds || {}).map(([k, v]) => `${k} ${fmt.secs(v)}`).join(" · ") || "–"]]),
     runner.details?.harness?.tail ? h("details", {}, h("summary", {}, "harness output (tail)"), h("pre", {}, runner.details.harness.tail)) : null] : null,
+    behaviourBlock(r.details?.behaviour),
     h("h3", {}, "Rollout details (as recorded at close)"), jsonBlock(r.details),
     Object.keys(r.metadata || {}).length ? [h("h3", {}, "Metadata"), jsonBlock(r.metadata)] : null)));
 
@@ -165,4 +166,13 @@ export async function renderRollout(page, run, id) {
       if (fresh.calls.length !== data.calls.length || fresh.rollout.status !== r.status) window.dispatchEvent(new HashChangeEvent("hashchange"));
     });
   }
+}
+
+// How the policy acted, read from the recorded conversation when the rollout closed.
+function behaviourBlock(b) {
+  if (!b) return null;
+  const yes = (v) => (v === null || v === undefined ? "–" : v ? "yes" : "no");
+  return [h("h3", {}, "Behaviour"), h("div", { class: "behaviour" }, kv([["tool calls", b.tool_calls], ["tool errors", b.tool_errors],
+    ["recovered after an error", yes(b.recovered)], ["gave up after an error", yes(b.gave_up)],
+    ["read back its own write", yes(b.self_verified)]]))];
 }
