@@ -78,7 +78,9 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
             assert -1.0 <= gain["low"] <= gain["estimate"] <= gain["high"] <= 1.0
     assert set(report["recovery_rate"]) == {"before", "sft", "rl"}
     assert report["recovery_rate"]["rl"] == ev["rl-faults"]["behaviour"]["recovery_rate"]
-    assert report["teacher"].startswith("clean")  # the teacher's weakness, said in the report
+    # The teacher, said in the report: the fallback, a few demonstrations met a fault and retried.
+    met = sum(bool(t.faults) for t in load_tasks("tools-tiny-faults", split="train")[:4])
+    assert met == 2 and report["teacher"].startswith("2 of its 4 demonstrations met a transient fault")
 
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
@@ -97,7 +99,7 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         "| greedy pass@1 (1 run per task) | met an error | recovered |",
         "RL over SFT on held-out pass@1, faults: ",
         "RL over SFT on held-out greedy pass@1, clean: ",
-        "The teacher's weakness, on purpose: clean",
+        "The teacher's weakness, on purpose: 2 of its 4 demonstrations",
         "![reward curve](reward_curve.png)",
         "held-out teacher trajectories (never trained on) ",
         "| model | " + " | ".join(f"{f} (1)" for f in sorted(families)) + " |",

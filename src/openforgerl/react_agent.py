@@ -118,8 +118,8 @@ def run_tool(
     """Execute one tool call; failures come back as text for the model, never as a crash. A task's
     transient fault (`faults`) answers a matching call with its error instead."""
     if faults is not None and name in ("bash", "read_file", "write_file"):
-        target = str(args.get("command" if name == "bash" else "path", ""))
-        if (error := faults.error(name, target)) is not None:
+        called = str(args.get("command" if name == "bash" else "path", ""))
+        if (error := faults.error(name, called)) is not None:
             raise OSError(error)
     if name == "bash":
         try:

@@ -455,7 +455,7 @@ class Runner:
             await asyncio.shield(sandbox.stop())
         r.seconds["total"] = time.monotonic() - t0
         gw_status = "closed" if r.status == Status.DONE else "failed"
-        close = {"outcome": r.outcome}
+        close: dict[str, Any] = {"outcome": r.outcome}
         if self.cfg.behaviour and (acted := await self._behaviour(r.gateway_rollout_id)) is not None:
             r.details["behaviour"] = close["behaviour"] = acted
         await self._close_gateway(r.gateway_rollout_id, r.reward, close, gw_status)
