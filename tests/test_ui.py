@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from openai import OpenAI
 from starlette.testclient import TestClient
 
+from openforgerl.behaviour import main_conversation, of_conversation
 from openforgerl.cli import main as cli
 from openforgerl.gateway.server import GatewayConfig
 from openforgerl.runner import RolloutResult, RunState, Status
@@ -33,7 +34,7 @@ from openforgerl.store.sqlite import SCHEMA, ids_to_blob
 from openforgerl.testing.gateway import free_port, gateway_thread
 from openforgerl.ui import ViewerConfig, build_app
 from openforgerl.ui.store import SORTS, VIEWER_INDEXES, Filters, StoreView, page_query
-from tests.gateway_helpers import ScriptEngine, new_rollout
+from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout
 
 RUN = "train-demo"
 STEPS = 12
@@ -106,6 +107,8 @@ def record_rollouts(model_dir: Path, store: Path) -> dict[str, str]:
             response_format={"type": "json_object"},
         )
         verdict = {"outcome": "ok", "checks": {"mentions milk": True, "one line": True}}
+        # As the runner does at close: how the rollout acted, read from its recorded conversation.
+        verdict["behaviour"] = of_conversation(main_conversation(calls_of(gw, ids["tools"])))
         _close(url, admin, ids["tools"], reward=1.0, details=verdict)
 
         # Anthropic dialect: a Bash tool turn, then the harness rewrites the history (a new branch).
@@ -640,6 +643,8 @@ def test_a_newcomer_follows_one_rollout_from_task_to_tokens(
     assert "calls tool read_file" in page.inner_text("#turns")
     assert "buy milk and eggs" in page.inner_text("#turns")
     assert "mentions milk" in page.inner_text("#verdict")
+    acted = " ".join(page.inner_text("#verdict .behaviour").split())  # one read_file that answered
+    assert "tool calls 1 tool errors 0 recovered after an error – gave up after an error –" in acted
     page.wait_for_selector(".seq .tok")
     masked, trained = page.locator(".seq .tok.m0").count(), page.locator(".seq .tok.m1").count()
     assert masked > 0 and trained > 0
