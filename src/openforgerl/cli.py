@@ -460,7 +460,11 @@ def _one_harness(ctx: click.Context, param: click.Parameter, value: str) -> str:
 def _rollout_options(fn: Any) -> Any:
     """Options shared by `eval` and `rollout`."""
     options = [
-        click.option("--tasks", required=True, help="A suite (tools-tiny, claw-basic) or task file/dir."),
+        click.option(
+            "--tasks",
+            required=True,
+            help="A suite (tools-tiny, tools-tiny-faults, claw-basic, web-basic) or task file/dir.",
+        ),
         click.option(
             "--harness",
             default="react",
@@ -892,7 +896,11 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
 
 
 @main.command("verl-data")
-@click.option("--tasks", required=True, help="A suite (tools-tiny, claw-basic) or task file/dir.")
+@click.option(
+    "--tasks",
+    required=True,
+    help="A suite (tools-tiny, tools-tiny-faults, claw-basic, web-basic) or task file/dir.",
+)
 @click.option("--split", default=None, help="Only tasks of this split (train, heldout, test).")
 @click.option("--limit", type=int, default=None, help="Only the first N tasks.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="FILE.parquet or FILE.jsonl.")
@@ -922,7 +930,7 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
     "--tasks",
     default="tools-tiny",
     show_default=True,
-    help="The teacher's tasks (train split): tools-tiny, claw-basic.",
+    help="The teacher's tasks (train split): tools-tiny, tools-tiny-faults, claw-basic.",
 )
 @click.option(
     "--harness",
