@@ -170,6 +170,8 @@ def write_trainer_files(folder: Path, model_dir: Path, ids: dict[str, str], stor
                 "tokens_per_s": 1000 + 10 * step,
                 "time_rollout": 4.0,
                 "time_train": 2.5,
+                "behaviour/recovery_rate": round(0.05 * step, 3),  # the loop's names (rl/loop.py)
+                "behaviour/gave_up_rate": round(1 - 0.05 * step, 3),
                 "note": "not a number: ignored",
             }
         )
@@ -606,7 +608,11 @@ def test_dashboard_curves_render_and_follow_a_live_run(
     reward = '.chart[data-chart="Reward and pass rate"]'
     page.wait_for_selector(f'{reward}[data-points="{STEPS}"]')
     assert _painted(page, reward) > 500
-    assert page.locator(".chart").count() >= 6  # reward, throughput, time, loss, kl, clip + rollouts/min
+    assert (
+        page.locator(".chart").count() >= 7
+    )  # reward, throughput, time, loss, kl, clip, behaviour + rollouts/min
+    acting = '.chart[data-chart="Behaviour: tool errors, recovery, give-ups"]'
+    page.wait_for_selector(f'{acting}[data-points="{STEPS}"]')
     assert page.locator(".evals thead th").all_inner_texts()[1:] == ["before-sft", "after-sft", "after-rl"]
     shot(page, "02-run-dashboard", full_page=True)
     metrics = run_dir[0] / RUN / "metrics.jsonl"

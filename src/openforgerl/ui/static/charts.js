@@ -15,7 +15,11 @@ export function groupMetrics(keys) {
   const rate = rest.filter((k) => k.endsWith("_per_s"));
   if (rate.length) groups.push({ id: "throughput", title: "Throughput (per second)", keys: rate });
   if (time.length) groups.push({ id: "time", title: "Time per phase (s)", keys: time });
-  for (const k of rest) if (!time.includes(k) && !rate.includes(k)) groups.push({ id: k, title: k, keys: [k] });
+  // How the training rollouts acted (openforgerl.behaviour): the shares on one chart.
+  const acting = rest.filter((k) => k.startsWith("behaviour/") && k.endsWith("_rate"));
+  if (acting.length) groups.push({ id: "behaviour", title: "Behaviour: tool errors, recovery, give-ups", keys: acting });
+  const grouped = new Set([...time, ...rate, ...acting]);
+  for (const k of rest) if (!grouped.has(k)) groups.push({ id: k, title: k, keys: [k] });
   return groups;
 }
 
