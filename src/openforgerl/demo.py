@@ -404,9 +404,10 @@ def build_report(
 def _teacher_line(cfg: DemoConfig) -> str:
     """What the teacher's demonstrations show of faults: its weakness, said in the report."""
     from openforgerl.tasks import load_tasks
+    from openforgerl.tasks.suites.tools_tiny import keep_faults
 
-    chosen = load_tasks(FAULTS_SUITE, split="train")[: cfg.teacher_tasks]
-    met = len([t for t in chosen if t.faults][: cfg.teacher_faulted])
+    chosen = keep_faults(load_tasks(FAULTS_SUITE, split="train")[: cfg.teacher_tasks], cfg.teacher_faulted)
+    met = sum(bool(t.faults) for t in chosen)
     if not met:
         return (
             "clean: the ORACLE teacher's demonstrations are recorded without faults, so they never "

@@ -162,7 +162,9 @@ def _recorded(url: str, token: str, results: list[RolloutResult]) -> dict[str, A
     out = {}
     with httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=120) as client:
         for r in results:
-            if r.gateway_rollout_id:
+            if r.calls is not None:  # read by the runner at close
+                out[r.gateway_rollout_id] = r.calls
+            elif r.gateway_rollout_id:
                 resp = client.get(f"/admin/rollouts/{r.gateway_rollout_id}/calls")
                 if resp.status_code == 200:
                     out[r.gateway_rollout_id] = resp.json()

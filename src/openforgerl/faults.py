@@ -45,25 +45,25 @@ def _spec(fault: Any) -> dict[str, Any]:
 
 def environment(
     faults: Sequence[Any], tmpdir: str, path: str | None = None
-) -> tuple[dict[str, str], dict[str, str]]:
-    """What makes a sandbox honour `faults`: (files to put, by path -> content; environment for the
-    harness). Gateway faults are the runner's to queue, not the sandbox's."""
+) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
+    """What makes a sandbox honour `faults`: (files to put, by path -> (content, mode); environment
+    for the harness). Gateway faults are the runner's to queue, not the sandbox's."""
     specs = [(i, _spec(f)) for i, f in enumerate(faults)]
     local = [(i, f) for i, f in specs if f.get("tool") or f.get("command")]
     if not local:
         return {}, {}
     root = posixpath.join(tmpdir, FAULTS_DIR)
     spec_file = posixpath.join(root, "faults.json")
-    files = {spec_file: json.dumps({"state": posixpath.join(root, "state"), "faults": dict(local)})}
+    spec = {"state": posixpath.join(root, "state"), "faults": dict(local)}
+    files = {spec_file: (json.dumps(spec), 0o644)}
     env = {FAULTS_ENV: spec_file}
     commands = sorted({str(f["command"]) for _, f in local if f.get("command")})
     if commands:
         bin_dir = posixpath.join(root, "bin")
         for command in commands:
             mine = [(i, f) for i, f in local if f.get("command") == command]
-            files[posixpath.join(bin_dir, command)] = _shim(
-                command, mine, bin_dir, posixpath.join(root, "state")
-            )
+            shim = _shim(command, mine, bin_dir, posixpath.join(root, "state"))
+            files[posixpath.join(bin_dir, command)] = (shim, 0o755)
         env["PATH"] = f"{bin_dir}:{path or DEFAULT_PATH}"
     return files, env
 

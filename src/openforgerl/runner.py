@@ -79,6 +79,9 @@ class RolloutResult:
     attempts: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    # The gateway's record of the rollout's calls (GET /admin/rollouts/{id}/calls) as the runner read
+    # it at close, for consumers to reuse instead of asking again; not persisted (None after a restart).
+    calls: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -279,9 +282,6 @@ class RunnerConfig:
     # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
     # tasks with harness_options.start_url).
     network: RunNetwork = "gateway"
-    # Read each rollout's behaviour (tool errors, recoveries, self-verification) from its recorded
-    # conversation into its details, in the run state and the gateway's store.
-    behaviour: bool = True
 
 
 class NetworkNotAllowed(ValueError):
@@ -427,8 +427,8 @@ class Runner:
                 await sandbox.put_file(path, content)
             # After the set-up: the task's transient faults meet the harness, never the set-up.
             fault_files, fault_env = faults.environment(task.faults, sandbox.tmpdir, launch.env.get("PATH"))
-            for path, content in fault_files.items():
-                await sandbox.put_file(path, content, mode=0o755 if "/bin/" in path else 0o644)
+            for path, (content, mode) in fault_files.items():
+                await sandbox.put_file(path, content, mode=mode)
             t1 = time.monotonic()
             ran = await sandbox.exec(launch.argv, env={**launch.env, **fault_env}, timeout=task.timeout)
             r.seconds["harness"] = time.monotonic() - t1
@@ -456,7 +456,9 @@ class Runner:
         r.seconds["total"] = time.monotonic() - t0
         gw_status = "closed" if r.status == Status.DONE else "failed"
         close: dict[str, Any] = {"outcome": r.outcome}
-        if self.cfg.behaviour and (acted := await self._behaviour(r.gateway_rollout_id)) is not None:
+        r.calls = await self._recorded_calls(r.gateway_rollout_id)
+        if r.calls is not None:  # how the policy acted, into the run state and the gateway's store
+            acted = behaviour.of_conversation(behaviour.main_conversation(r.calls["calls"]))
             r.details["behaviour"] = close["behaviour"] = acted
         await self._close_gateway(r.gateway_rollout_id, r.reward, close, gw_status)
         self.state.save(r)
@@ -519,16 +521,15 @@ class Runner:
             raise VerifierError(f"the verifier ran over its timeout of {verifier.timeout} s")
         return parse_verifier_output(done.stdout, done.exit_code, done.stderr)
 
-    async def _behaviour(self, rollout_id: str) -> dict[str, Any] | None:
-        """How the policy acted (tool errors, recoveries, ...: `openforgerl.behaviour`), read from
-        the rollout's recorded conversation; None when the gateway cannot say."""
+    async def _recorded_calls(self, rollout_id: str) -> dict[str, Any] | None:
+        """The rollout's recorded calls (read once: the behaviour metrics come from them, and the
+        result carries them to whoever builds samples); None when the gateway cannot say."""
         try:
             resp = await self._admin.get(f"/admin/rollouts/{rollout_id}/calls")
         except httpx.HTTPError:
             return None
-        if resp.status_code != 200:
-            return None
-        return behaviour.of_conversation(behaviour.main_conversation(resp.json()["calls"]))
+        payload: dict[str, Any] | None = resp.json() if resp.status_code == 200 else None
+        return payload
 
     async def _close_gateway(
         self, rollout_id: str, reward: float | None, details: dict[str, Any], status: str

@@ -284,10 +284,13 @@ def recorded_rollouts(gw: RunningGateway, results: Sequence[RolloutResult]) -> l
         for r in results:
             if r.status == Status.DROPPED or not r.gateway_rollout_id:
                 continue
-            resp = client.get(f"/admin/rollouts/{r.gateway_rollout_id}/calls")
-            resp.raise_for_status()
+            payload = r.calls  # read by the runner at close, else (a resumed run) read now
+            if payload is None:
+                resp = client.get(f"/admin/rollouts/{r.gateway_rollout_id}/calls")
+                resp.raise_for_status()
+                payload = resp.json()
             reward = r.reward if r.status == Status.DONE else None
-            samples = build_samples(calls_from_json(resp.json()), float(reward or 0.0))
+            samples = build_samples(calls_from_json(payload), float(reward or 0.0))
             out.append(Rollout(r.task_id, reward, samples))
     return out
 

@@ -146,7 +146,8 @@ class OracleTeacherEngine:
         shell = shell_tool(tools)
         if shell is None:
             raise EngineError("the oracle teacher needs a shell tool, and this harness offers none")
-        seen, failed = _values([_output(r) for r in _RESPONSE.findall(prompt)], _RESPONSE.findall(prompt))
+        responses = _RESPONSE.findall(prompt)
+        seen, failed = _values([_output(r) for r in responses], responses)
         script = self.solutions.get(task.id)
         if script is not None:  # a reference solution: run it, then finish
             return shell.call(script) if not seen else self._finish(prompt, shell, "The task is done.")

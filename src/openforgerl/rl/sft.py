@@ -265,14 +265,13 @@ def oracle_samples(
     from openforgerl.rl.oracle_teacher import ORACLE_SUITES, OracleTeacherEngine, reference_solutions
     from openforgerl.runner import Status
     from openforgerl.tasks import load_tasks
+    from openforgerl.tasks.suites.tools_tiny import keep_faults
 
     if tasks not in ORACLE_SUITES:
         raise ValueError(f"the oracle teacher knows {' and '.join(ORACLE_SUITES)}, not {tasks!r}")
     chosen = load_tasks(tasks, split=split)[:limit]  # type: ignore[arg-type]
     if faulted is not None:
-        keep = {t.id for t in chosen if t.faults}
-        keep = set(sorted(keep)[:faulted])
-        chosen = [t if t.id in keep else t.model_copy(update={"faults": []}) for t in chosen]
+        chosen = keep_faults(chosen, faulted)
     opts = EvalOptions(
         tasks=tasks,
         harness=harness,

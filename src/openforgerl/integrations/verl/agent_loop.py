@@ -258,7 +258,7 @@ class OpenForgeAgentLoop(AgentLoopBase):
         if result.status == Status.DROPPED or not result.gateway_rollout_id:
             return self._finish([])
         assert result.reward is not None, "a done rollout has a reward"
-        payload = await self._recorded(gw, result.gateway_rollout_id)
+        payload = result.calls or await self._recorded(gw, result.gateway_rollout_id)
         samples = build_samples(
             calls_from_json(payload), result.reward, include_side_requests=self.options.include_side_requests
         )

@@ -138,6 +138,12 @@ def transient_fault(name: str) -> Fault:
     return Fault(tool="read_file", command="cat", match=name, error=f"{name}: {FAULT_ERROR}")
 
 
+def keep_faults(tasks: list[Task], n: int) -> list[Task]:
+    """`tasks` with the faults of only the first `n` that carry any; the others made clean."""
+    keep = {t.id for t in [t for t in tasks if t.faults][:n]}
+    return [t if t.id in keep else t.model_copy(update={"faults": []}) for t in tasks]
+
+
 def generate(seed: int = 0, n_train: int = 1000, n_heldout: int = 50, faults: float = 0.0) -> list[Task]:
     """`n_train` train tasks then `n_heldout` held-out ones, the families taking turns; a fraction
     `faults` of them (drawn per task from the seed and its id) carries one transient fault."""
