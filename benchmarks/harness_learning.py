@@ -64,7 +64,7 @@ def one_run(harness: str, seed: int, root: Path, preset: str) -> dict[str, Any]:
     cfg = dataclasses.replace(cfg, **PRESETS[preset])
     report = demo.run(cfg)
     ev = report["evaluations"]
-    before = json.loads((cfg.out / "eval" / "before" / "report.json").read_text())
+    before = json.loads((cfg.out / "eval" / "before-faults" / "report.json").read_text())
     return {
         "harness": harness,
         "harness_version": report["harness_version"],
@@ -75,7 +75,9 @@ def one_run(harness: str, seed: int, root: Path, preset: str) -> dict[str, Any]:
         "greedy_pass@1": {
             k: v["greedy pass@1"]["estimate"] if v.get("greedy pass@1") else None for k, v in ev.items()
         },
-        "rl_minus_sft_paired": report.get("rl_minus_sft"),
+        "rl_minus_sft_faults": report.get("rl_minus_sft_faults"),
+        "rl_minus_sft_clean": report.get("rl_minus_sft_clean"),
+        "recovery_rate": report.get("recovery_rate"),
         "sft_loss": {k: report["sft"].get(k) for k in ("loss_before", "loss_after", "val_loss_after")},
         "rl_train_pass_rate": [r.get("pass_rate") for r in report["rl_steps"]],
         "tokens_per_rollout_before_sft": before.get("behaviour", {}).get("prompt_tokens_mean"),

@@ -64,8 +64,8 @@ class DemoConfig:
     # teacher that recorded every demonstration in a clean environment. With 0 (seed 0) the SFT
     # student re-read the failed file in 5% of the faulted held-out rollouts, garbled, and GRPO
     # found almost no signal (10 steps at 1e-4: 3-6 of 6 groups per step with equal rewards, no
-    # rise in recovery). 8 of 400 (2%) is issue #21's fallback: the student then re-reads in 28%,
-    # a behaviour GRPO can reinforce (benchmarks/README.md, "Recovering from tool faults").
+    # rise in recovery). 8 of 400 (2%) is issue #21's fallback: the student then re-reads in 19-43%,
+    # but GRPO did not make it reliable (benchmarks/README.md, "Recovering from tool faults").
     teacher_faulted: int = 8
     # 400 steps of 16 (about 430 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
     # copies every value by step 200; the held-out teacher trajectories' loss is 0.02 at step 400.
