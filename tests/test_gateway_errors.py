@@ -59,6 +59,14 @@ def test_malformed_json_and_schema(gw: Any) -> None:
         chat(gw, ro, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}), 400
     )
     assert_openai_error(chat(gw, ro, [1, 2, 3]), 400)
+    for fmt in ({"type": "yaml"}, {"type": "json_schema"}, "json"):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+        assert assert_openai_error(chat(gw, ro, body), 400)["param"].startswith("response_format")
+    # Token counts are integers, not their spelling ("10") nor a boolean (true is not 1).
+    for field in ("max_tokens", "max_completion_tokens"):
+        for value in ("10", True, 2.5):
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+            assert assert_openai_error(chat(gw, ro, body), 400)["param"] == field
 
 
 def test_keys(gw: Any) -> None:
@@ -160,6 +168,25 @@ def test_client_disconnect_mid_stream_aborts_and_is_recorded(gw: Any) -> None:
     assert call["status"] == "aborted" and call["finish_reason"] == "abort"
 
 
+def test_a_bug_is_a_500_in_the_dialect_that_says_the_connection_closes(gw: Any) -> None:
+    ro = new_rollout(gw)
+
+    def bug(prompt: list[int]) -> str:
+        raise ZeroDivisionError("a bug")
+
+    gw.engine.script = bug
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with httpx.Client(timeout=30) as client:  # one kept-alive connection
+        headers = {"authorization": f"Bearer {ro['api_key']}"}
+        r = client.post(ro["base_url"] + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+        assert r.headers["connection"] == "close"
+        gw.engine.script = lambda prompt: "fine"
+        # The client opens a new connection for the next request instead of reusing a dead one.
+        r = client.post(ro["base_url"] + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200
+
+
 def test_unknown_routes_and_admin_validation(gw: Any) -> None:
     ro = new_rollout(gw)
     assert_openai_error(httpx.post(ro["base_url"] + "/v1/completely/unknown", json={}), 404)
@@ -174,7 +201,19 @@ def test_unknown_routes_and_admin_validation(gw: Any) -> None:
     close = f"{gw.url}/admin/rollouts/{ro['rollout_id']}/close"
     assert_openai_error(httpx.post(close, json={"reward": "high"}, headers=h), 400)
     assert_openai_error(httpx.post(close, json={"status": "exploded"}, headers=h), 400)
+    # A reward on a closed rollout is recorded, but the rollout is not reopened (its key stays dead).
+    reward = f"{gw.url}/admin/rollouts/{ro['rollout_id']}/reward"
+    assert httpx.post(close, json={"reward": 0.0}, headers=h).status_code == 200
+    assert_openai_error(httpx.post(reward, json={"reward": 1.0, "status": "open"}, headers=h), 409)
+    r = httpx.post(reward, json={"reward": 1.0}, headers=h)
+    assert r.status_code == 200 and r.json()["status"] == "closed" and r.json()["reward"] == 1.0
+    assert_openai_error(chat(gw, ro, {"model": "m", "messages": [{"role": "user", "content": "x"}]}), 403)
     assert_openai_error(httpx.post(gw.url + "/admin/rollouts", json={}), 401)
+    # The admin token never in the URL (query strings end up in access logs); rollout keys may be
+    # (Gemini's ?key=).
+    token = gw.gateway.admin_token
+    assert_openai_error(httpx.get(f"{gw.url}/admin/rollouts?key={token}"), 401)
+    assert httpx.get(f"{gw.url}/admin/rollouts", headers=h).status_code == 200
 
 
 def test_injected_faults_are_answered_once_each(gw: Any) -> None:

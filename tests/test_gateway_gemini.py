@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.gateway import http
 from openforgerl.gateway.dialects.gemini import DECLINED_TOOLS_HEADER, Gemini, parse_request
+from tests.conftest import CHAT_MODELS
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 from tests.strategies import json_values as json_values_of
 
@@ -557,9 +558,10 @@ def test_overload_is_429_resource_exhausted_with_retry_info(small: Any) -> None:
             ]
 
 
-def test_real_tiny_model_through_the_sdk(tiny_model_dir: Path, tmp_path: Path) -> None:
-    engine = TransformersEngine(str(tiny_model_dir))
-    with running_gateway(tiny_model_dir, tmp_path, engine, max_tokens=16) as real:
+@pytest.mark.parametrize("chat_model_dir", CHAT_MODELS, indirect=True)
+def test_real_model_through_the_sdk(chat_model_dir: Path, tmp_path: Path) -> None:
+    engine = TransformersEngine(str(chat_model_dir))
+    with running_gateway(chat_model_dir, tmp_path, engine, max_tokens=16) as real:
         rollout = new_rollout(real)
         client = client_for(rollout)
         reply = client.models.generate_content(model=CLI_MODEL, contents="Say hello.")

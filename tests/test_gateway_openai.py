@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.sampling import derive_seed
+from tests.conftest import CHAT_MODELS
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
 TOOLS: Any = [
@@ -41,10 +42,13 @@ def client_for(rollout: dict[str, Any]) -> OpenAI:
     )
 
 
-@pytest.fixture(scope="module")
-def real_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    engine = TransformersEngine(str(tiny_model_dir))
-    with running_gateway(tiny_model_dir, tmp_path_factory.mktemp("real"), engine, max_tokens=24) as gw:
+@pytest.fixture(scope="module", params=CHAT_MODELS)
+def real_gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A gateway in front of the built-in engine with a real model: the kit's tiny one, and (marker
+    real_model) SmolLM2-135M-Instruct with its own tokenizer and template."""
+    model_dir = request.getfixturevalue({"tiny": "tiny_model_dir", "smollm2": "smollm2_dir"}[request.param])
+    engine = TransformersEngine(str(model_dir))
+    with running_gateway(model_dir, tmp_path_factory.mktemp("real"), engine, max_tokens=24) as gw:
         yield gw
 
 
@@ -87,9 +91,7 @@ def test_streaming_with_usage(real_gateway: Any) -> None:
     assert usage.prompt_tokens == len(call["prompt_ids"])
 
 
-def test_ten_turn_conversation_is_one_token_sequence_with_true_logprobs(
-    real_gateway: Any, tiny_model_dir: Path
-) -> None:
+def test_ten_turn_conversation_is_one_token_sequence_with_true_logprobs(real_gateway: Any) -> None:
     rollout = new_rollout(real_gateway)
     client = client_for(rollout)
     messages: list[Any] = [
@@ -112,7 +114,8 @@ def test_ten_turn_conversation_is_one_token_sequence_with_true_logprobs(
         assert cur["reused_prompt_tokens"] >= len(sampled)
 
     # Recorded logprobs agree with a teacher-forced forward pass over the final sequence.
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model_dir = real_gateway.gateway.core.engine.model_dir
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     last = calls[-1]
     seq = torch.tensor([last["prompt_ids"] + last["completion_ids"]])
     with torch.no_grad():

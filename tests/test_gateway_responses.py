@@ -24,6 +24,7 @@ from pydantic import TypeAdapter
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.gateway.dialects import responses as responses_dialect
 from openforgerl.gateway.dialects.responses import Context, Contexts, ToolSet
+from tests.conftest import CHAT_MODELS
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 from tests.strategies import json_values as json_values_of
 
@@ -401,9 +402,10 @@ def test_websocket_handshake_needs_the_key(gw: Any) -> None:
         assert {e["stream_id"] for e in events} == {"lane"}  # the client's lane, on every event
 
 
-def test_real_tiny_model_smoke(tiny_model_dir: Path, tmp_path: Path) -> None:
-    engine = TransformersEngine(str(tiny_model_dir))
-    with running_gateway(tiny_model_dir, tmp_path, engine, max_tokens=16) as real:
+@pytest.mark.parametrize("chat_model_dir", CHAT_MODELS, indirect=True)
+def test_real_model_smoke(chat_model_dir: Path, tmp_path: Path) -> None:
+    engine = TransformersEngine(str(chat_model_dir))
+    with running_gateway(chat_model_dir, tmp_path, engine, max_tokens=16) as real:
         rollout = new_rollout(real)
         client = client_for(rollout)
         reply = client.responses.create(model="m", instructions="Be brief.", input="Say hello.")

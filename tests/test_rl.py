@@ -46,6 +46,7 @@ from openforgerl.rl.trainer import (
     Rollout,
     Trainer,
     TrainerConfig,
+    Tuning,
     common_prefix,
     iter_checkpoints,
     micro_batches,
@@ -896,3 +897,124 @@ def test_overlap_resumes_after_a_crash_mid_overlap_without_losing_or_repeating_r
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3]
     _check_lag_bound(run, logged, max_lag=1)
+
+
+def _grads(policy: Policy, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    policy.model.zero_grad()
+    lp = policy.logprobs(batch)
+    (-(lp * batch.mask).sum()).backward()
+    grads = [p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]
+    return lp.detach(), torch.cat(grads)
+
+
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
+    """Recomputing activations in the backward pass changes memory, not the update."""
+    samples = [
+        chat_sample(
+            [{"role": "user", "content": f"Read {n}."}, {"role": "assistant", "content": n}], None, tok
+        )
+        for tok in [Policy(tiny_model_dir, lr=1e-3).tokenizer]
+        for n in ("a.txt", "notes/b.txt")
+    ]
+    plain = Policy(tiny_model_dir, lr=1e-3)
+    checkpointed = Policy(tiny_model_dir, lr=1e-3, tuning=Tuning(gradient_checkpointing=True))
+    assert checkpointed.collate(samples).shared == 0  # a checkpointed layer would drop a shared KV
+    lp_plain, g_plain = _grads(plain, plain.collate(samples))
+    lp_ckpt, g_ckpt = _grads(checkpointed, checkpointed.collate(samples))
+    assert torch.allclose(lp_plain, lp_ckpt, atol=1e-5)
+    assert torch.allclose(g_plain, g_ckpt, rtol=1e-4, atol=1e-5)
+    # The layers really recompute: their forward runs again inside the backward pass.
+    calls = 0
+
+    def count(*_: Any) -> None:
+        nonlocal calls
+        calls += 1
+
+    layer = checkpointed.model.model.layers[0]
+    handle = layer.register_forward_pre_hook(count)  # the recomputation may stop before the end
+    _grads(checkpointed, checkpointed.collate(samples))
+    handle.remove()
+    assert calls == 2
+    assert not any(
+        m.training for m in checkpointed.model.modules() if not hasattr(m, "gradient_checkpointing")
+    )
+
+
+def test_lora_trains_adapters_only_and_its_checkpoint_serves_the_trainers_logprobs(
+    tiny_model_dir: Path, engine_and_prompts: Any, tmp_path: Path
+) -> None:
+    _, triples = engine_and_prompts
+    cfg = TrainerConfig(lr=5e-3, tuning=Tuning(lora_rank=4))
+    trainer = Trainer(tiny_model_dir, cfg, group_size=2)
+    model = trainer.policy.model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    # New adapters leave the function unchanged (B = 0): the start is the base model.
+    base = Policy(tiny_model_dir, lr=0.0)
+    probe = [sample(p, c, lps) for p, c, lps in triples]
+    assert trainer.policy.sample_logprobs(probe) == base.sample_logprobs(probe)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
+    assert metrics["updated"]
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    trainer.save(tmp_path / "ckpt", metrics=metrics)
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"model.safetensors", "tokenizer.json", "optimizer.pt", "adapter"} <= files
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_model.safetensors").is_file()
+
+    # The merged checkpoint is a plain model: the engine serves it with the trainer's logprobs.
+    prompt = triples[0][0]
+    engine = TransformersEngine(tmp_path / "ckpt")
+
+    async def generate() -> Any:
+        await engine.start()
+        try:
+            return await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=7))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(generate())
+    new = sample(prompt, result.completion_ids, result.logprobs)
+    assert trainer.policy.sample_logprobs([new])[0][len(prompt) :] == pytest.approx(result.logprobs, abs=1e-4)
+    moved = base.sample_logprobs([new])[0][len(prompt) :]
+    assert max(abs(a - b) for a, b in zip(moved, result.logprobs, strict=True)) > 1e-3
+
+    # Resume: the saved adapter on the frozen base, the optimizer's moments with it; the next step
+    # is the one an uninterrupted trainer takes.
+    resumed = Trainer.resume(tmp_path / "ckpt", cfg, group_size=2, reference_dir=tiny_model_dir)
+    assert resumed.policy_version == 1
+    assert resumed.policy.sample_logprobs([new])[0] == pytest.approx(
+        trainer.policy.sample_logprobs([new])[0], abs=1e-6
+    )
+    batch = rollouts_from(triples, [0.0, 1.0])
+    trainer.train_step(batch)
+    resumed.train_step(batch)
+    assert resumed.policy.sample_logprobs([new])[0] == pytest.approx(
+        trainer.policy.sample_logprobs([new])[0], abs=1e-5
+    )
+
+
+def test_cli_sft_with_lora_writes_a_merged_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from openforgerl.cli import main
+
+    rows = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}
+    rows.write_text(json.dumps(chat) + "\n")
+    out = tmp_path / "sft"
+    args = ["sft", "--data", str(rows), "--model", str(tiny_model_dir), "--out", str(out), "--epochs", "2"]
+    result = CliRunner().invoke(main, [*args, "--lr", "1e-2", "--lora-rank", "8", "--gradient-checkpointing"])
+    assert result.exit_code == 0, result.output
+    assert "loss" in result.output
+    from transformers import AutoModelForCausalLM
+
+    trained: Any = AutoModelForCausalLM.from_pretrained(out)  # no adapter files: merged
+    start: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not any("lora" in n for n, _ in trained.named_parameters())
+    changed = [
+        n
+        for (n, a), (_, b) in zip(trained.named_parameters(), start.named_parameters(), strict=True)
+        if not torch.equal(a, b)
+    ]
+    assert changed and all("embed" not in n and "norm" not in n for n in changed)

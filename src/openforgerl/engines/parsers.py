@@ -70,10 +70,11 @@ def _split_tool_calls(text: str, completion: str) -> tuple[str, list[ToolCall], 
     while (start := text.find(TOOL_CALL_START, pos)) >= 0:
         pieces.append(text[pos:start])
         body_start = start + len(TOOL_CALL_START)
-        call, end, error = _parse_call(text, body_start)
-        if call is not None:
-            call.id = _call_id(completion, len(calls))
-            calls.append(call)
+        found, end, error = _parse_call(text, body_start)
+        if found is not None:
+            for call in found:
+                call.id = _call_id(completion, len(calls))
+                calls.append(call)
         else:
             errors.append(f"tool call at offset {start}: {error}")
             pieces.append(text[start:end])  # keep what the model wrote
@@ -82,8 +83,8 @@ def _split_tool_calls(text: str, completion: str) -> tuple[str, list[ToolCall], 
     return "".join(pieces), calls, errors
 
 
-def _parse_call(text: str, body_start: int) -> tuple[ToolCall | None, int, str]:
-    """The call whose body starts at `body_start`, the offset after it, and an error when it is malformed.
+def _parse_call(text: str, body_start: int) -> tuple[list[ToolCall] | None, int, str]:
+    """The calls whose body starts at `body_start`, the offset after it, and an error when it is malformed.
 
     Every closing tag is tried in turn, because a JSON string inside the call may itself contain
     `</tool_call>`; the first that closes a valid call wins.
@@ -92,10 +93,10 @@ def _parse_call(text: str, body_start: int) -> tuple[ToolCall | None, int, str]:
     first_close = -1
     close = text.find(TOOL_CALL_END, body_start)
     while close >= 0:
-        call, error = _call_from_json(text[body_start:close])
+        found, error = _calls_from_json(text[body_start:close])
         end = close + len(TOOL_CALL_END)
-        if call is not None:
-            return call, end, ""
+        if found is not None:
+            return found, end, ""
         if first_close < 0:
             first_close, first_error = end, error
         close = text.find(TOOL_CALL_END, end)
@@ -106,11 +107,24 @@ def _parse_call(text: str, body_start: int) -> tuple[ToolCall | None, int, str]:
     return None, first_close, first_error
 
 
-def _call_from_json(body: str) -> tuple[ToolCall | None, str]:
+def _calls_from_json(body: str) -> tuple[list[ToolCall] | None, str]:
+    """One call (a JSON object), or several in a JSON list (SmolLM2's own tool format writes
+    `<tool_call>[{...}, {...}]</tool_call>`)."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError) as e:
         return None, f"invalid JSON ({e})"
+    objs = obj if isinstance(obj, list) and obj else [obj]
+    calls = []
+    for one in objs:
+        call, error = _call_from_object(one)
+        if call is None:
+            return None, error
+        calls.append(call)
+    return calls, ""
+
+
+def _call_from_object(obj: Any) -> tuple[ToolCall | None, str]:
     if not isinstance(obj, dict):
         return None, "not a JSON object"
     name = obj.get("name")

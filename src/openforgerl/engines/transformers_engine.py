@@ -51,7 +51,6 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
     DynamicCache,
-    GenerationConfig,
 )
 from transformers.cache_utils import DynamicLayer
 
@@ -67,6 +66,7 @@ from openforgerl.engines.base import (
 )
 from openforgerl.engines.prefix_cache import KV, PrefixCache
 from openforgerl.images import Image
+from openforgerl.rendering import generation_eos_ids
 from openforgerl.vision import (
     NEVER_SAMPLED,
     VisionProcessor,
@@ -269,10 +269,8 @@ class TransformersEngine:
         self._thread: threading.Thread | None = None
 
     def _find_eos_ids(self) -> frozenset[int]:
-        try:
-            eos: Any = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
-        except OSError:  # no generation_config.json
-            eos = None
+        # The generation config's ids first: the gateway's renderer reads the same (turn ends).
+        eos: Any = list(generation_eos_ids(self.model_dir)) or None
         if eos is None:
             eos = self.config.get_text_config().eos_token_id
         if eos is None:

@@ -28,12 +28,24 @@ Weight updates (`load_weights`) use `POST /collective_rpc` with `reload_weights`
 serves when started with `VLLM_SERVER_DEV_MODE=1`, then `POST /reset_prefix_cache`. Found in trials:
 - A reload from a path that does not hold weights shut the whole vLLM 0.32 server down, so paths are
   checked locally first when the server is on this machine.
-- On vLLM 0.32's CPU backend a model with tied embeddings (`tie_word_embeddings`, e.g. small Qwen2s)
-  keeps its OLD output head after a reload: the LM head computes with a prepacked copy of the
-  embedding made at startup, which the layer-wise reload does not refresh. The served model is then
-  new body + new input embedding + old LM head. Changes to other weights reload correctly. The engine
-  logs a warning for such reloads (when it can see the checkpoint's config.json). GPU builds were not
-  tried here.
+- On vLLM 0.32's CPU backend a model with tied embeddings (`tie_word_embeddings`, e.g. small Qwen2s,
+  SmolLM2) keeps its OLD output head after a plain reload: at load time the LM head's
+  `process_weights_after_loading` (vllm/model_executor/layers/vocab_parallel_embedding.py,
+  UnquantizedEmbeddingMethod) calls `dispatch_cpu_unquantized_gemm` (layers/utils.py), which builds
+  `layer.cpu_linear` around a oneDNN handle holding a packed COPY of the weight. The layer-wise
+  reload (model_loader/reload/layerwise.py) re-runs that processing only for layers that received a
+  tensor; a tied checkpoint has no `lm_head.weight`, so the head's module gets none: its parameter
+  (shared with the embedding) is updated, its packed copy is not. Served: new body + new input
+  embedding + old LM head.
+  The way through, found in trials: during a reload every layer's parameters are fresh placeholders,
+  so the tie is not seen and a checkpoint tensor named `lm_head.weight` is loaded into the head's
+  module, which is then processed again (a new packed copy). For a tied checkpoint on a local server
+  `load_weights` therefore reloads from a temporary view of the checkpoint (symlinks to its files)
+  with one more file holding the embedding under the name `lm_head.weight` (`tied_head_view`); the
+  served logprobs then equal the new checkpoint's (tests/test_real_model_vllm.py). That needs an
+  architecture whose vLLM model has an `lm_head` module tied by `tie_weights` (`_TIED_HEAD_ARCHS`)
+  and safetensors weights; other tied reloads log a warning. GPU builds were not tried here (the
+  extra tensor holds the same values, so it should be harmless there).
 """
 
 from __future__ import annotations
@@ -45,6 +57,9 @@ import json
 import logging
 import os
 import re
+import shutil
+import struct
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -131,6 +146,93 @@ def check_weights_dir(path: str) -> None:
         raise EngineError(f"weights path {path!r} is not a directory")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")) and not any(p.glob("*.pt")):
         raise EngineError(f"weights path {path!r} holds no *.safetensors, *.bin or *.pt files")
+
+
+# Architectures whose vLLM model has an `lm_head` (ParallelLMHead) tied to `model.embed_tokens` by
+# `tie_weights`, whose weights go through AutoWeightsLoader: a tensor named `lm_head.weight` reaches
+# the head on a reload. (Loading it into a model without that module would fail the reload.)
+_TIED_HEAD_ARCHS = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_HEAD_FILE = "openforgerl-tied-lm-head.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(100 << 20, os.fstat(f.fileno()).st_size - 8):  # the format's own header limit
+            raise ValueError(f"{path} is not a safetensors file")
+        header: dict[str, Any] = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file")
+    return header, 8 + n
+
+
+def tied_head_view(path: str | Path) -> Path | None:
+    """A temporary directory from which vLLM reloads the tied checkpoint `path` with its LM head
+    refreshed (see the module docstring): symlinks to the checkpoint's files plus `_HEAD_FILE`, the
+    embedding's bytes under the name `lm_head.weight` (and an index naming it, for a sharded
+    checkpoint). None when `path` is not such a checkpoint (untied, another architecture, no
+    safetensors, or one that names `lm_head.weight` already). The caller removes the directory."""
+    src = Path(path)
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not config.get("tie_word_embeddings") or not _TIED_HEAD_ARCHS & set(config.get("architectures") or []):
+        return None
+    index: dict[str, Any] | None = None
+    embedding: tuple[Path, dict[str, Any], int] | None = None
+    try:
+        if (src / _INDEX).is_file():
+            index = json.loads((src / _INDEX).read_text())
+            files = sorted({src / name for name in index["weight_map"].values()})
+        else:
+            files = sorted(src.glob("*.safetensors"))
+        for f in files:
+            header, data_start = _safetensors_header(f)
+            if _LM_HEAD in header:
+                return None  # the head is named: vLLM reloads it as it is
+            if _EMBEDDING in header:
+                embedding = (f, header[_EMBEDDING], data_start)
+        if embedding is None:
+            return None
+        f, entry, data_start = embedding
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # not a checkpoint this can read: the plain reload (and its warning)
+    view = Path(tempfile.mkdtemp(prefix="openforgerl-vllm-reload-"))
+    try:
+        for item in src.iterdir():
+            if item.name != _INDEX:
+                (view / item.name).symlink_to(item.resolve())
+        # The tensor's bytes as they are (any dtype), under the head's name; header padded to 8 bytes.
+        meta = json.dumps(
+            {_LM_HEAD: {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [0, end - begin]}}
+        )
+        meta += " " * (-len(meta) % 8)
+        with open(f, "rb") as inp, open(view / _HEAD_FILE, "wb") as out:
+            out.write(struct.pack("<Q", len(meta)) + meta.encode())
+            inp.seek(data_start + begin)
+            left = end - begin
+            while left > 0:
+                chunk = inp.read(min(left, 16 << 20))
+                if not chunk:
+                    raise OSError(f"{f} ends before its tensor {_EMBEDDING} does")
+                out.write(chunk)
+                left -= len(chunk)
+        if index is not None:
+            index = {**index, "weight_map": {**index["weight_map"], _LM_HEAD: _HEAD_FILE}}
+            (view / _INDEX).write_text(json.dumps(index))
+        for item in (view, view / _HEAD_FILE, *([view / _INDEX] if index else [])):
+            item.chmod(0o755 if item.is_dir() else 0o644)  # a server under another uid reads it
+    except BaseException:
+        shutil.rmtree(view, ignore_errors=True)
+        raise
+    return view
 
 
 class VLLMEngine:
@@ -343,8 +445,14 @@ class VLLMEngine:
             check_weights_dir(path)
         async with self._reload_lock:
             self._reloading += 1
+            # A tied LM head needs its tensor named to be refreshed (module docstring); only when the
+            # server reads this machine's files.
+            view: Path | None = None
             try:
-                body = {"method": "reload_weights", "kwargs": {"weights_path": os.fspath(path)}}
+                if self.check_weights_path:
+                    view = await asyncio.to_thread(tied_head_view, path)
+                source = os.fspath(view or path)
+                body = {"method": "reload_weights", "kwargs": {"weights_path": source}}
                 r = await self._send("POST", "/collective_rpc", json=body)
                 if r.status_code == 404:
                     raise EngineError(
@@ -356,13 +464,17 @@ class VLLMEngine:
                     raise EngineError(f"vLLM failed to reload weights from {path!r}: {_error_message(r)}")
                 self._version += 1
                 await self._reset_prefix_cache()
-                self._check_tied_head(path)
+                if view is None:
+                    self._check_tied_head(path)
             finally:
                 self._reloading -= 1
+                if view is not None:  # vLLM read the weights during the call
+                    shutil.rmtree(view, ignore_errors=True)
         return self._version
 
     def _check_tied_head(self, path: str) -> None:
-        """Warn (once) when this reload hits vLLM CPU's stale tied LM head; see the module docstring."""
+        """Warn (once) when this reload hits vLLM CPU's stale tied LM head without the way around it
+        (`tied_head_view` declined the checkpoint); see the module docstring."""
         if not self.check_weights_path or self._warned_tied_head:
             return  # a remote checkpoint's config cannot be read here
         try:

@@ -70,7 +70,8 @@ class Gateway:
         return session
 
     def _check_admin(self, request: Request) -> None:
-        key = api_key_of(request) or ""
+        # Never from the URL: query strings end up in access logs and proxies' records.
+        key = api_key_of(request, in_query=False) or ""
         if not hmac.compare_digest(key.encode(), self.admin_token.encode()):
             raise unauthorized("This endpoint needs the gateway's admin token.")
 
@@ -348,6 +349,14 @@ class Gateway:
             raise bad_request("'status' must be one of open, closed, failed, cancelled.", param="status")
         if default_status == "open":  # setting a reward keeps the rollout's status unless asked
             status = data.get("status")
+            if status == "open" and session.rollout.status != "open":
+                # A finished rollout's key stays dead: reopening it would revive the key.
+                raise GatewayError(
+                    409,
+                    f"Rollout {session.rollout.id} is {session.rollout.status}; it cannot be reopened.",
+                    kind="permission",
+                    param="status",
+                )
             row = await self.core.store.update_rollout(
                 session.rollout.id, status=status, reward=reward, details=details
             )
@@ -432,8 +441,11 @@ class Gateway:
         return self.error(GatewayError(exc.status_code, message, kind=kind), request)
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        # A bug must not take the gateway down: answer 500 in the caller's dialect and go on.
-        return self.error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"), request)
+        # A bug must not take the gateway down: answer 500 in the caller's dialect and go on. The
+        # server closes the connection after an unhandled error, so the client is told not to reuse it.
+        response = self.error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"), request)
+        response.headers["connection"] = "close"
+        return response
 
 
 def _multipart(content_type: str, body: bytes) -> dict[str, tuple[str, bytes]]:

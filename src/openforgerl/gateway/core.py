@@ -551,8 +551,11 @@ class GatewayCore:
     ) -> tuple[Message, str, list[str], bool]:
         """Sampled ids -> the assistant message a harness sees, the finish reason and parse errors."""
         ids = result.completion_ids
-        turn_end = bool(ids) and ids[-1] in self.renderer.stop_token_ids and result.finish_reason == "stop"
-        text = self.renderer.decode(ids[:-1] if turn_end else ids)
+        ended = bool(ids) and ids[-1] in self.renderer.stop_token_ids and result.finish_reason == "stop"
+        text = self.renderer.decode(ids[:-1] if ended else ids)
+        # Only the template's own turn end closes the turn in the token memory; a turn that ended on
+        # another stop id (SmolLM2's <|endoftext|>) is closed by the next prompt, as a cut one is.
+        turn_end = ended and ids[-1] == self.renderer.turn_end_id
         if (
             result.finish_reason == "stop"
             and isinstance(result.stop_reason, str)

@@ -25,14 +25,16 @@ class JSONResponse(Response):
         return content if isinstance(content, bytes) else dumps(content)
 
 
-def api_key_of(request: HTTPConnection) -> str | None:
+def api_key_of(request: HTTPConnection, *, in_query: bool = True) -> str | None:
+    """The key a request carries: a bearer token, an Anthropic or Google key header, or (Gemini's
+    `?key=`, when `in_query`) a query parameter."""
     auth = request.headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
     return (
         request.headers.get("x-api-key")
         or request.headers.get("x-goog-api-key")
-        or request.query_params.get("key")
+        or (request.query_params.get("key") if in_query else None)
         or None
     )
 

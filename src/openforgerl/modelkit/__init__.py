@@ -15,12 +15,9 @@ Models hold MAX_POSITIONS positions unless `max_positions` says otherwise (real 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
-import os
 import re
-import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from openforgerl.modelkit import corpus
+from openforgerl.modelkit.builds import build_once, cache_root
 
 __all__ = [
     "ADDED_TOKENS",
@@ -397,47 +395,17 @@ def kit_version() -> str:
     return h.hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    """`$OPENFORGE_CACHE`, or ~/.cache/openforgerl."""
-    env = os.environ.get("OPENFORGE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "openforgerl"
-
-
 def cached_model(
     size: Size = "tiny", seed: int = 0, *, vision: bool = False, max_positions: int = MAX_POSITIONS
 ) -> Path:
     """Path of a built model under `cache_root()/models/`, building it on first use (with `vision`,
     the tiny Qwen2-VL of `init_vision_model`; with `max_positions`, a model of that context, cached
-    apart from the default's).
-
-    A lock file serialises builders across processes; the build goes to a scratch directory that is
-    renamed into place, so readers never see a half-written model.
+    apart from the default's). Safe from parallel processes (`builds.build_once`).
     """
     check_max_positions(max_positions)
-    models = cache_root() / "models"
     context = "" if max_positions == MAX_POSITIONS else f"-ctx{max_positions}"
-    final = models / f"{size}{'-vl' if vision else ''}{context}-{seed}-{kit_version()}"
-    if final.is_dir():  # only ever created by an atomic rename of a finished build
-        return final
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f"{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if final.is_dir():  # another process built it while we waited
-                return final
-            scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=models))
-            try:
-                build = init_vision_model if vision else init_model
-                # The default's build call is unchanged (tests stand in for init_model).
-                context_kw = {} if max_positions == MAX_POSITIONS else {"max_positions": max_positions}
-                build(scratch, size, seed, **context_kw)
-                # mkdtemp makes 0700; sandboxed workers under other uids must be able to read the model.
-                scratch.chmod(0o755)
-                for file in scratch.iterdir():
-                    file.chmod(0o644)
-                scratch.rename(final)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return final
+    final = cache_root() / "models" / f"{size}{'-vl' if vision else ''}{context}-{seed}-{kit_version()}"
+    build = init_vision_model if vision else init_model
+    # The default's build call is unchanged (tests stand in for init_model).
+    context_kw = {} if max_positions == MAX_POSITIONS else {"max_positions": max_positions}
+    return build_once(final, lambda scratch: build(scratch, size, seed, **context_kw))

@@ -18,7 +18,7 @@ import json
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
-from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, passed
+from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, Tuning, passed
 from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
 
@@ -49,6 +49,8 @@ class SFTConfig:
     warmup_steps: int = 0
     # Validation (fit's `val` samples): their loss every `eval_every` steps (0: before and after only).
     eval_every: int = 0
+    # Every weight, or LoRA adapters (merged into the saved model); gradient checkpointing.
+    tuning: Tuning = field(default_factory=Tuning)
 
 
 def _sample(
@@ -321,6 +323,7 @@ class SFTTrainer:
             device=cfg.device,
             seed=cfg.seed,
             image_source=image_source,
+            tuning=cfg.tuning,
         )
         self.step = 0
         self.scheduler: Any = None  # set by `schedule` (fit calls it); None: the constant `lr`
@@ -405,8 +408,7 @@ class SFTTrainer:
             log.close()
         last = self.loss(samples)
         logged_last = self.cfg.eval_every > 0 and self.step % self.cfg.eval_every == 0
-        self.policy.model.save_pretrained(out)
-        self.policy.save_processor(out)
+        self.policy.save_model(out)
         return {
             "samples": len(samples),
             "steps": self.step,

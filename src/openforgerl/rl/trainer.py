@@ -18,6 +18,11 @@ source (the gateway store's `images_sync`), turned into pixel inputs by the same
 `openforgerl.vision.vision_inputs` the engine uses, and fed with the model's 3-D rope positions, so
 the recomputed logprobs are those of the prompt the engine saw.
 
+What is trained (`Tuning`): every weight (the default), or LoRA adapters on every linear layer
+(`peft`), the base frozen; gradient checkpointing recomputes each decoder layer's activations in the
+backward pass (memory for time). A LoRA checkpoint holds the merged weights, which any engine serves,
+and the adapter (`adapter/`), which resumes training on the frozen base.
+
 After a step, `save` writes an HF checkpoint (model, tokenizer, optimizer, trainer state) and
 `push_weights` loads it into the engine in place, which bumps the policy version the gateway
 records on every later call.
@@ -25,6 +30,7 @@ records on every later call.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -60,6 +66,28 @@ ImageSource = Callable[[Sequence[str]], dict[str, Image]]
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter (peft's format), beside the merged weights
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Which weights train and how activations are kept."""
+
+    lora_rank: int = 0  # 0: every weight; r > 0: rank-r LoRA adapters on every linear layer (peft)
+    lora_alpha: int | None = None  # LoRA scale numerator (default 2 x rank)
+    gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward pass
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be 0 (off) or positive, not {self.lora_rank}")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @classmethod
+    def coerce(cls, value: Tuning | dict[str, Any] | None) -> Tuning:
+        return value if isinstance(value, Tuning) else cls(**(value or {}))
 
 
 @dataclass
@@ -83,11 +111,13 @@ class TrainerConfig:
     ptx_batch: int = 16
     seed: int = 0
     device: str | None = None  # default: cuda when available, else cpu
+    tuning: Tuning = field(default_factory=Tuning)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
         d = dict(d)
         d["loss"] = algos.LossConfig(**d.get("loss", {}))
+        d["tuning"] = Tuning.coerce(d.get("tuning"))
         d["betas"] = tuple(d.get("betas", (0.9, 0.999)))
         return cls(**d)
 
@@ -235,6 +265,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
     return auto.from_pretrained(model_dir, dtype=dtype)
 
 
+def _with_lora(model: Any, tuning: Tuning, adapter_dir: str | Path | None) -> Any:
+    """`model` frozen under LoRA adapters on every linear layer but the LM head (peft): new ones
+    (B = 0, so the function is unchanged), or those saved in `adapter_dir`."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    config = LoraConfig(
+        r=tuning.lora_rank,
+        lora_alpha=tuning.lora_alpha if tuning.lora_alpha is not None else 2 * tuning.lora_rank,
+        lora_dropout=0.0,  # dropout would make recomputed logprobs differ from the engine's
+        target_modules="all-linear",
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
 class Policy:
     """A causal LM under training: model, tokenizer, AdamW, and logprobs on loss positions.
 
@@ -251,9 +298,15 @@ class Policy:
         device: str | None = None,
         seed: int = 0,
         image_source: ImageSource | None = None,
+        tuning: Tuning | None = None,
+        adapter_dir: str | Path | None = None,
     ) -> None:
+        """`adapter_dir`: a saved LoRA adapter to continue training on `model_dir` (the frozen base)."""
         from transformers import AutoTokenizer
 
+        self.tuning = tuning or Tuning()
+        if adapter_dir is not None and not self.tuning.lora:
+            raise ValueError("an adapter to resume needs LoRA tuning (lora_rank > 0)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(seed)
         self.processor = load_processor(model_dir) if is_vision_model(model_dir) else None
@@ -263,26 +316,46 @@ class Policy:
         )
         # fp32 master weights everywhere; on a GPU the forward runs under bf16 autocast.
         self.model: Any = load_model(model_dir).to(self.device)
+        base = self.model
+        if self.tuning.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.tuning.lora:
+            self.model = _with_lora(base, self.tuning, adapter_dir)
         # Eval mode while training too: dropout would make the recomputed logprobs differ from the
         # engine's for the same weights, which the importance weights would read as off-policy.
         self.model.eval()
+        if self.tuning.gradient_checkpointing:
+            # transformers checkpoints a decoder layer only when that layer is in training mode; the
+            # flag is set on those layers alone, so dropout below them stays off.
+            for module in base.modules():
+                if getattr(module, "gradient_checkpointing", False):
+                    module.training = True
         self.temperature = temperature
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters only
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas
+            self.trainable,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
         )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
-        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
         self._unsampleable = torch.tensor(unsampleable_token_ids(self.model), dtype=torch.long)
 
     def micro_batches(self, samples: Sequence[Sample], budget: int) -> list[list[int]]:
         """`samples` split into micro-batches within `budget` padded tokens, a shared prefix counted once."""
-        shared = common_prefix(samples) if self.processor is None else 0
+        shared = common_prefix(samples) if self._shares_prefix else 0
         return micro_batches([len(s.input_ids) for s in samples], budget, shared)
 
+    @property
+    def _shares_prefix(self) -> bool:
+        # A vision-language model's M-RoPE positions and pixels go in whole; a checkpointed layer
+        # drops the KV cache it is given (transformers), so with checkpointing each row runs whole.
+        return self.processor is None and not self.tuning.gradient_checkpointing
+
     def collate(self, samples: Sequence[Sample]) -> _Collated:
-        # A vision-language model's M-RoPE positions and pixels go in whole: no shared prefix.
-        batch = _collate(samples, self.pad_id, self.device, share_prefix=self.processor is None)
+        batch = _collate(samples, self.pad_id, self.device, share_prefix=self._shares_prefix)
         if self.processor is not None:
             batch.vision = self._vision(samples, batch)
         elif any(s.image_digests for s in samples):
@@ -383,7 +456,7 @@ class Policy:
         return loss_sum, tokens
 
     def clip_and_step(self, max_grad_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -392,12 +465,25 @@ class Policy:
         """An HF checkpoint plus optimizer and trainer state, written aside then renamed into place."""
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.save_processor(tmp)
+        self.save_model(tmp)
+        if self.tuning.lora:
+            self.model.save_pretrained(tmp / ADAPTER_DIR)  # peft writes the adapter alone
         torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
+
+    def save_model(self, path: Path) -> None:
+        """A servable model directory: the weights (LoRA merged into a copy) and the tokenizer."""
+        if self.tuning.lora:
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            if self.tuning.gradient_checkpointing:
+                merged.gradient_checkpointing_disable()
+            merged.save_pretrained(path)
+            del merged
+        else:
+            self.model.save_pretrained(path)
+        self.save_processor(path)
 
     def save_processor(self, path: Path) -> None:
         """The tokenizer (and a VLM's image processor): what makes `path` a servable model directory."""
@@ -451,6 +537,7 @@ class Trainer:
         reference_dir: str | Path | None = None,
         image_source: ImageSource | None = None,
         demonstrations: Sequence[Sample] = (),
+        adapter_dir: str | Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.demonstrations = [s for s in demonstrations if s.num_loss_tokens]
@@ -465,6 +552,8 @@ class Trainer:
             device=cfg.device,
             seed=cfg.seed,
             image_source=image_source,
+            tuning=cfg.tuning,
+            adapter_dir=adapter_dir,
         )
         self.actor_config = cfg.loss.actor_config(group_size)
         self.reference: Any = None
@@ -485,10 +574,14 @@ class Trainer:
         image_source: ImageSource | None = None,
         demonstrations: Sequence[Sample] = (),
     ) -> Trainer:
-        """The trainer as `save` left it: weights, optimizer, step and policy version."""
+        """The trainer as `save` left it: weights, optimizer, step and policy version. A LoRA run
+        continues its saved adapter on the frozen base, `reference_dir` (the run's starting model)."""
+        adapter = checkpoint / ADAPTER_DIR
+        lora = cfg.tuning.lora and adapter.is_dir()
         trainer = cls(
-            checkpoint,
+            reference_dir if lora else checkpoint,
             cfg,
+            adapter_dir=adapter if lora else None,
             group_size=group_size,
             reference_dir=reference_dir,
             image_source=image_source,

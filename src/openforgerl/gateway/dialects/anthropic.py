@@ -156,7 +156,7 @@ class MessagesRequest(_Wire):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     # Required by Anthropic's API; optional here, so the run's policy supplies the default.
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
     stop_sequences: list[str] | None = None

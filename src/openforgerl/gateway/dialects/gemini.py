@@ -128,7 +128,7 @@ class ThinkingConfig(_Wire):
 class GenerationConfig(_Wire):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
     stop_sequences: list[str] | None = None
     candidate_count: int = 1
     seed: int | None = None

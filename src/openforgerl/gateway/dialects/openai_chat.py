@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -85,16 +85,30 @@ class StreamOptions(_Wire):
     include_usage: bool = False
 
 
+class ResponseFormat(_Wire):
+    """OpenAI's three shapes; a json_schema one names its schema. Other keys go on to the engine."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and not self.json_schema:
+            raise ValueError("a json_schema response_format needs its 'json_schema' object")
+        return self
+
+
 class ChatCompletionRequest(_Wire):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1)
@@ -190,7 +204,7 @@ def parse_request(
             for t in req.tools or []
         ],
         tool_choice=req.tool_choice,
-        response_format=req.response_format,
+        response_format=req.response_format.model_dump(exclude_none=True) if req.response_format else None,
         sampling=SamplingRequest(
             temperature=req.temperature,
             top_p=req.top_p,
