@@ -3,6 +3,7 @@ valid completion, and the gateway keeps serving."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ def gw(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def check_answer(r: httpx.Response) -> None:
-    assert r.status_code in (200, 400, 401, 403, 404, 405, 413, 422, 429), r.text
+    assert r.status_code in (200, 400, 401, 403, 404, 405, 413, 415, 422, 429), r.text
     if r.status_code != 200:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and isinstance(err["type"], str)
@@ -125,3 +126,132 @@ def test_fuzzed_headers_and_paths(gw: Any, auth: str, extra: dict[str, str], pat
     r = httpx.request(method, gw.url + path, content=body, headers=headers, timeout=30)
     check_answer(r)
     assert httpx.get(gw.url + "/health").status_code == 200
+
+
+# -- the admin API -------------------------------------------------------------------------------
+sampling_values = (
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=5) | json_values
+)
+admin_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "run_id": st.text(max_size=10) | json_values,
+        "task_id": st.text(max_size=10) | json_values,
+        "metadata": json_values,
+        "sampling": st.dictionaries(
+            st.sampled_from(["temperature", "top_p", "max_tokens", "max_context", "seed", "bogus"]),
+            sampling_values,
+            max_size=3,
+        )
+        | json_values,
+        "upstream": st.text(max_size=5) | json_values,
+    },
+)
+
+
+def big_int_json(value: Any) -> bytes:
+    """orjson refuses integers beyond 64 bits; the standard library writes them."""
+    return json.dumps(value, allow_nan=True).encode()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=admin_bodies)
+def test_fuzzed_admin_rollouts_are_made_valid_or_refused(gw: Any, body: dict[str, Any]) -> None:
+    """A rollout the admin API accepts serves its calls: nothing invalid is stored to fail later."""
+    r = httpx.post(
+        gw.url + "/admin/rollouts", content=big_int_json(body), headers=gw.admin_headers, timeout=30
+    )
+    assert r.status_code in (201, 400), r.text
+    if r.status_code == 400:
+        assert isinstance(r.json()["error"]["message"], str)
+        return
+    ro = r.json()
+    chat = httpx.post(
+        ro["base_url"] + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"authorization": f"Bearer {ro['api_key']}"},
+        timeout=30,
+    )
+    check_answer(chat)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    query=st.dictionaries(
+        st.sampled_from(["limit", "offset", "status", "run_id"]),
+        st.integers(-(2**80), 2**80).map(str) | st.text(max_size=8),
+        max_size=3,
+    ),
+    finish=st.fixed_dictionaries(
+        {},
+        optional={
+            "reward": sampling_values,
+            "status": st.sampled_from(["open", "closed", "failed", "cancelled", "odd"]) | json_values,
+            "details": json_values,
+        },
+    ),
+    action=st.sampled_from(["reward", "close", "faults"]),
+)
+def test_fuzzed_admin_queries_and_finishes(
+    gw: Any, query: dict[str, str], finish: dict[str, Any], action: str
+) -> None:
+    r = httpx.get(gw.url + "/admin/rollouts", params=query, headers=gw.admin_headers, timeout=30)
+    assert r.status_code in (200, 400), r.text
+    ro = new_rollout(gw)
+    body = {"errors": finish.get("details")} if action == "faults" else finish
+    r = httpx.post(
+        f"{gw.url}/admin/rollouts/{ro['rollout_id']}/{action}",
+        content=big_int_json(body),
+        headers=gw.admin_headers,
+        timeout=30,
+    )
+    assert r.status_code in (200, 400, 409), r.text
+
+
+# -- deep structures -----------------------------------------------------------------------------
+def nested_json(depth: int, kind: str) -> str:
+    return ("[" * depth + "1" + "]" * depth) if kind == "list" else ('{"a":' * depth + "1" + "}" * depth)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    depth=st.integers(1, 1500),
+    kind=st.sampled_from(["list", "object"]),
+    where=st.sampled_from(["content", "arguments", "arguments_object", "parameters", "schema", "metadata"]),
+)
+def test_fuzzed_deep_structures_never_crash(gw: Any, depth: int, kind: str, where: str) -> None:
+    """However deep a structure from outside is nested, the answer is a completion or a 400."""
+    deep = nested_json(depth, kind)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "@DEEP@"}}
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    if where == "content":
+        body["messages"][0]["content"] = "@DEEP@"
+    elif where.startswith("arguments"):
+        body["messages"] += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+    elif where == "parameters":
+        body["tools"] = [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": "@DEEP@"}}}
+        ]
+    elif where == "schema":
+        schema = {"name": "s", "schema": {"type": "object", "x": "@DEEP@"}}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    raw = orjson.dumps(body)
+    # As a JSON string (OpenAI's tool-call arguments) or as the JSON value itself.
+    inner = orjson.dumps(deep) if where == "arguments" else deep.encode()
+    raw = raw.replace(b'"@DEEP@"', inner)
+    if where == "metadata":
+        admin = b'{"metadata": ' + deep.encode() + b"}"
+        r = httpx.post(gw.url + "/admin/rollouts", content=admin, headers=gw.admin_headers, timeout=30)
+        assert r.status_code in (201, 400), r.text
+        return
+    ro = gw.rollout
+    r = httpx.post(
+        ro["base_url"] + "/v1/chat/completions",
+        content=raw,
+        headers={"authorization": f"Bearer {ro['api_key']}", "content-type": "application/json"},
+        timeout=60,
+    )
+    check_answer(r)

@@ -570,6 +570,48 @@ def test_uploaded_files_in_every_dialect(vlm: Any) -> None:
         )
 
 
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_an_upload_is_its_rollouts_own(vlm: Any, dialect: str) -> None:
+    """Another rollout's key cannot read an uploaded file, name it in a message, or learn that it
+    exists: its id answers as an unknown one does."""
+    shot = png(4101)
+    owner = OpenAIHarness(new_rollout(vlm)).client()
+    uploaded = owner.files.create(file=("secret.png", shot, "image/png"), purpose="vision")
+    other_ro = new_rollout(vlm)
+    other = OpenAIHarness(other_ro).client()
+    for read in (other.files.retrieve, other.files.content):
+        with pytest.raises(openai.NotFoundError) as err:
+            read(uploaded.id)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            read(file_id("e" * 64))
+        assert err.value.message.replace(uploaded.id, "ID") == unknown.value.message.replace(
+            file_id("e" * 64), "ID"
+        )
+    h = HARNESSES[dialect](other_ro)
+    assert "file" in refusal(lambda: h.ask([Turn("user", "What is this?")], [h.part(("file", uploaded.id))]))
+    # The same bytes uploaded by the other rollout are its own from then on (same id: by content).
+    assert other.files.create(file=("mine.png", shot, "image/png"), purpose="vision").id == uploaded.id
+    assert other.files.content(uploaded.id).content == shot
+    h.ask([Turn("user", "What is this?")], [h.part(("file", uploaded.id))])
+    assert [im.data for im in vlm.engine.images[-1]] == [shot]
+
+
+def test_a_text_model_refuses_images_before_decoding_them(
+    text_gw: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding is the costly part (an 8000x8000 PNG takes seconds): a model that reads no images
+    refuses the first image part before any is decoded."""
+    import openforgerl.images as images
+
+    decoded: list[int] = []
+    real = images.image_from_bytes
+    monkeypatch.setattr(images, "image_from_bytes", lambda data: decoded.append(len(data)) or real(data))
+    for dialect in DIALECTS:
+        ask = harness(dialect, text_gw).ask
+        assert "takes no images" in refusal(lambda: ask([Turn("user", "What is this?", [png(7), png(8)])]))  # noqa: B023
+    assert decoded == []
+
+
 def test_admin_image_endpoint(vlm: Any) -> None:
     shot = png(5001)
     h = harness("openai", vlm)

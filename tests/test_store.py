@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openforgerl.store import RolloutRow, Store, StoreClosed
+from openforgerl.store import CallRow, RolloutRow, Store, StoreClosed
 
 
 def row(rollout_id: str, key: str) -> RolloutRow:
@@ -81,3 +81,41 @@ def test_close_folds_the_wal_into_the_database_file_and_leaves_it_alone(tmp_path
         assert [r.id for r in asyncio.run(reopened.list_rollouts())] == ["ro_0"]
     finally:
         asyncio.run(reopened.close())
+
+
+def test_a_response_id_is_kept_with_its_call_and_read_back_up_its_branch(tmp_path: Path) -> None:
+    """The Responses API's ids: written in the call's transaction (a call whose id cannot be kept is
+    not recorded either), found per rollout only, with the calls the answering call extends."""
+
+    def call(rollout_id: str, seq: int, parent: int | None, response_id: str = "") -> CallRow:
+        return CallRow(
+            rollout_id=rollout_id, seq=seq, branch_id=0, parent_call_id=parent, branch_reason="",
+            dialect="openai-responses", model="m", engine="e", status="ok", error="", policy_version=0,
+            prompt_prefix_len=0, prompt_delta=[1], prompt_tokens=1, completion_ids=[2],
+            completion_logprobs=[-0.5], finish_reason="stop", stop_reason=None, sampling_requested={},
+            sampling_used={}, messages_delta=[{"role": "user", "content": f"q{seq}"}],
+            response={"role": "assistant", "content": f"a{seq}"}, parse_errors=[], memory={},
+            created_at=1.0, latency_ms=1.0, response_id=response_id,
+            response_context={"instructions": False} if response_id else {},
+        )  # fmt: skip
+
+    async def go() -> None:
+        store = Store(tmp_path / "s.db")
+        try:
+            await store.create_rollout(row("ro_a", "ka"))
+            await store.create_rollout(row("ro_b", "kb"))
+            root = await store.record_call(call("ro_a", 0, None))  # another dialect's call: no id
+            middle = await store.record_call(call("ro_a", 1, root, "resp_1"))
+            tip = await store.record_call(call("ro_a", 2, middle, "resp_2"))
+            with pytest.raises(sqlite3.IntegrityError):
+                await store.record_call(call("ro_a", 3, tip, "resp_2"))  # the id is taken
+            assert [c.seq for c in await store.calls("ro_a")] == [0, 1, 2]
+            chain = await asyncio.to_thread(store.response_chain_sync, "ro_a", "resp_2")
+            assert [(c.id, c.response_id) for c in chain] == [(tip, "resp_2"), (middle, "resp_1"), (root, "")]
+            assert chain[0].response_context == {"instructions": False} and chain[2].response_context == {}
+            assert await asyncio.to_thread(store.response_chain_sync, "ro_b", "resp_2") == []
+            assert await asyncio.to_thread(store.response_chain_sync, "ro_a", "resp_3") == []
+        finally:
+            await store.close()
+
+    asyncio.run(go())

@@ -183,7 +183,21 @@ def _upstream_specs(upstreams: Sequence[str], key_envs: Sequence[str], timeout: 
     help="Prompt + completion limit (default: the model's context length).",
 )
 @click.option("--max-inflight", type=int, default=1024, show_default=True, help="Beyond this: 429.")
+@click.option(
+    "--max-connections-per-peer",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Open connections one client address may hold (all local rollouts share 127.0.0.1).",
+)
 @click.option("--durability", type=click.Choice(["full", "normal"]), default="full", show_default=True)
+@click.option(
+    "--work-threads",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Threads that parse, render and tokenise requests off the event loop (0: on it, for comparison).",
+)
 @click.option(
     "--prefix-cache-mb",
     type=click.FloatRange(min=0.0),
@@ -205,7 +219,9 @@ def gateway(
     max_tokens: int,
     max_context: int | None,
     max_inflight: int,
+    max_connections_per_peer: int,
     durability: str,
+    work_threads: int,
     prefix_cache_mb: float,
     upstreams: tuple[str, ...],
     upstream_key_envs: tuple[str, ...],
@@ -229,7 +245,9 @@ def gateway(
             max_tokens=max_tokens,
             max_context=max_context,
             max_inflight=max_inflight,
+            max_connections_per_peer=max_connections_per_peer,
             durability=durability,
+            work_threads=work_threads,
             upstreams=specs,
             prefix_cache_mb=prefix_cache_mb,
         )

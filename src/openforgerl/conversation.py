@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import orjson
-
 from openforgerl.images import Image
+from openforgerl.jsonutil import loads
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -32,8 +31,8 @@ def parse_arguments(raw: str | dict[str, Any]) -> dict[str, Any] | str:
     if isinstance(raw, dict):
         return raw
     try:
-        parsed = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError:
+        parsed = loads(raw) if raw else {}
+    except ValueError:  # not JSON, or nested deeper than the gateway reads: kept as text
         return raw
     return parsed if isinstance(parsed, dict) else raw
 

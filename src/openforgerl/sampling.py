@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from openforgerl.conversation import SamplingRequest
 from openforgerl.engines.base import SamplingParams
+
+SEED_RANGE = (-(2**63), 2**64)  # what the engines take: a signed or unsigned 64-bit integer
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Each setting a rollout may carry: its check, and the words for the error (checked when the rollout
+# is created, so a bad value is the admin call's 400, not a 500 on every call of the rollout).
+_VALID: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "max_tokens": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "max_context": (lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "seed": (lambda v: _integer(v) and SEED_RANGE[0] <= v < SEED_RANGE[1], "an integer within 64 bits"),
+}
 
 
 @dataclass(slots=True)
@@ -34,9 +57,9 @@ class SamplingPolicy:
         unknown = set(override) - known
         if unknown:
             raise ValueError(f"unknown sampling settings: {sorted(unknown)}; known: {sorted(known)}")
-        seed = override.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"sampling seed must be an integer, not {seed!r}")
+        for name, value in override.items():
+            if (value is not None or name == "max_tokens") and not _VALID[name][0](value):
+                raise ValueError(f"sampling {name} must be {_VALID[name][1]}, not {value!r}")
         return SamplingPolicy(**{**asdict(self), **override})
 
     def resolve(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openforgerl.conversation import ToolCall
+from openforgerl.jsonutil import check_depth
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -112,6 +113,7 @@ def _calls_from_json(body: str) -> tuple[list[ToolCall] | None, str]:
     `<tool_call>[{...}, {...}]</tool_call>`)."""
     try:
         obj = json.loads(body)
+        check_depth(obj)
     except (ValueError, RecursionError) as e:
         return None, f"invalid JSON ({e})"
     objs = obj if isinstance(obj, list) and obj else [obj]
@@ -137,6 +139,7 @@ def _call_from_object(obj: Any) -> tuple[ToolCall | None, str]:
         # Some models emit the arguments as a JSON-encoded string, as OpenAI's wire format does.
         try:
             args = json.loads(args)
+            check_depth(args)
         except (ValueError, RecursionError) as e:
             return None, f"arguments string is not JSON ({e})"
     if not isinstance(args, dict):

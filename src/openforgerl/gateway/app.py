@@ -3,34 +3,39 @@
 Uploads (`POST /v1/files`, the OpenAI Files API; Anthropic's SDK uploads to the same path and gets
 its own shape) take images only: each is kept in the store by digest, and its file id is derived
 from the digest, so messages of any dialect can name it (`file_id`, Anthropic's `file` source,
-Gemini's `fileData`) and a restarted gateway still knows it. An upload needs a rollout's key.
+Gemini's `fileData`) and a restarted gateway still knows it. An upload needs a rollout's key, and
+is visible to that rollout only: another rollout's key gets a 404 for its id, as for an unknown one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
-import time
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from email import policy
 from email.parser import BytesParser
-from typing import Any
+from typing import Any, TypeVar
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from openforgerl import jsonutil
 from openforgerl.conversation import Conversation
+from openforgerl.engines.base import EngineError, EngineUnavailable
 from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Session
 from openforgerl.gateway.dialects import Dialect, default_dialects
-from openforgerl.gateway.errors import GatewayError, bad_request, load_image, unauthorized
+from openforgerl.gateway.errors import GatewayError, bad_request, images_refused, load_image, unauthorized
 from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
 from openforgerl.images import Image, digest_of_file_id, file_id, file_ids_in, image_from_bytes
 from openforgerl.trajectory import side_request_reason
+
+_T = TypeVar("_T")
 
 
 class Gateway:
@@ -76,14 +81,29 @@ class Gateway:
             raise unauthorized("This endpoint needs the gateway's admin token.")
 
     # -- what every dialect's handlers use ------------------------------------------------
-    async def files_in(self, body: bytes) -> dict[str, Image]:
-        """The uploaded images a request body names, by file id (read before it is parsed, so the
-        parse reads no store; an id that is not there is the parse's 400)."""
+    async def files_in(self, session: Session, body: bytes) -> dict[str, Image]:
+        """The images this rollout uploaded that a request body names, by file id (read before it is
+        parsed, so the parse reads no store; an id that is not there is the parse's 400)."""
         ids = file_ids_in(body)
         if not ids:
             return {}
-        found = await self.core.store.images(d for i in ids if (d := digest_of_file_id(i)))
-        return {file_id(d): im for d, im in found.items()}
+        digests = [d for i in ids if (d := digest_of_file_id(i))]
+        found = await self.core.store.uploads(session.rollout.id, digests)
+        return {file_id(d): im for d, (im, _) in found.items()}
+
+    async def parse(
+        self, session: Session, body: bytes, parse: Callable[[bytes, Mapping[str, Image]], _T]
+    ) -> _T:
+        """`parse(body, files)` on a worker thread: JSON, validation and image decoding off the event
+        loop; an image for a model that takes none is refused before it is decoded."""
+        files = await self.files_in(session, body)
+        refused = self.core.images_refused(session)
+
+        def run() -> _T:
+            images_refused.set(refused)  # in the worker's own copy of the context
+            return parse(body, files)
+
+        return await self.core.workers.run(run)
 
     async def open_call(
         self, request: Request, parse: Callable[[bytes, Mapping[str, Image]], Conversation]
@@ -91,7 +111,7 @@ class Gateway:
         """Authenticate, read and translate the body, and prepare the call (raises GatewayError)."""
         session = await self.session(request)
         body = await read_body(request, self.max_body)
-        return self.core.prepare(session, parse(body, await self.files_in(body)))
+        return await self.core.prepare(session, await self.parse(session, body, parse))
 
     async def finish_call(self, request: Request, prepared: PreparedCall) -> CallOutcome | None:
         """Run a prepared call to its durable record; None when the client went away meanwhile."""
@@ -147,8 +167,10 @@ class Gateway:
         if not body.strip():
             return {}
         try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
+            data = jsonutil.loads(body)
+        except jsonutil.TooDeep as exc:
+            raise bad_request(f"The request body cannot be read: {exc}.") from exc
+        except ValueError as exc:
             raise bad_request(f"The request body is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise bad_request("The request body must be a JSON object.")
@@ -186,8 +208,8 @@ class Gateway:
             offset = int(q.get("offset", "0"))
         except ValueError as exc:
             raise bad_request("'limit' and 'offset' must be integers.") from exc
-        if not (1 <= limit <= 10000) or offset < 0:
-            raise bad_request("'limit' must be in [1, 10000] and 'offset' >= 0.")
+        if not (1 <= limit <= 10000) or not (0 <= offset < 2**63):  # SQLite's integers are 64-bit
+            raise bad_request("'limit' must be in [1, 10000] and 'offset' in [0, 2**63).")
         rows = await self.core.store.list_rollouts(
             run_id=q.get("run_id"), status=q.get("status"), limit=limit, offset=offset
         )
@@ -296,28 +318,27 @@ class Gateway:
 
     async def upload_file(self, request: Request) -> Response:
         try:
-            await self.session(request)
-            body = await read_body(request, self.max_body)
-            fields = _multipart(request.headers.get("content-type", ""), body)
+            session = await self.session(request)
+            body = await read_body(request, self.max_body, json=False)
+            fields = await self.core.workers.run(_multipart, request.headers.get("content-type", ""), body)
             if "file" not in fields:
                 raise bad_request("The upload needs a 'file' field (multipart/form-data).", param="file")
             filename, data = fields["file"]
-            image = load_image(lambda: image_from_bytes(data), "file")
-            await self.core.store.put_images([image])
-            created = await self.core.store.image_created_at(image.digest) or time.time()
+            image = await self.core.workers.run(load_image, lambda: image_from_bytes(data), "file")
+            created = await self.core.store.put_upload(session.rollout.id, image)
             return JSONResponse(self._file_object(request, image, created, filename))
         except GatewayError as err:
             return self._files_error(err, request)
 
     async def _uploaded(self, request: Request) -> tuple[Image, float]:
-        await self.session(request)
+        session = await self.session(request)
         ref = request.path_params["file_id"]
         digest = digest_of_file_id(ref)
-        image = (await self.core.store.images([digest])).get(digest) if digest else None
-        created = await self.core.store.image_created_at(digest) if digest else None
-        if image is None or created is None:
+        # Another rollout's upload is as unknown as a made-up id: nothing tells that it exists.
+        found = (await self.core.store.uploads(session.rollout.id, [digest])).get(digest) if digest else None
+        if found is None:
             raise GatewayError(404, f"No such file: '{ref}'.", kind="not_found")
-        return image, created
+        return found
 
     async def get_file(self, request: Request) -> Response:
         try:
@@ -377,7 +398,15 @@ class Gateway:
         path = data.get("path")
         if not isinstance(path, str) or not path:
             raise bad_request("'path' (a model directory) is required.", param="path")
-        version = await self.core.load_weights(path)
+        # Every engine reads the checkpoint from this machine's filesystem (a remote one shares it).
+        if not await asyncio.to_thread(os.path.isdir, path):
+            raise bad_request(f"'path' {path!r} is not a model directory on the gateway's machine.", "path")
+        try:
+            version = await self.core.load_weights(path)
+        except EngineUnavailable as exc:
+            raise GatewayError(503, f"The engine cannot load weights now: {exc}", kind="unavailable") from exc
+        except (EngineError, OSError, ValueError) as exc:  # a checkpoint the engine refuses
+            raise bad_request(f"Cannot load the weights in {path!r}: {exc}", param="path") from exc
         return JSONResponse({"policy_version": version})
 
     async def admin_faults(self, request: Request) -> Response:

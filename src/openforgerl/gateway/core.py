@@ -26,6 +26,7 @@ from openforgerl.engines.base import (
 from openforgerl.engines.parsers import parse_completion
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request, context_length_exceeded
 from openforgerl.gateway.upstream import TextMemory, Upstream
+from openforgerl.gateway.workers import Workers
 from openforgerl.images import Image
 from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory, message_images
 from openforgerl.sampling import SamplingPolicy
@@ -50,6 +51,26 @@ def recorded_message(m: Message) -> dict[str, Any]:
         out["content"] = m.content
         out["images"] = [im.digest for im in m.images]
     return out
+
+
+def message_from_record(record: Mapping[str, Any], images: Mapping[str, Image]) -> Message:
+    """A message as `recorded_message` (or `Message.template_dict`, for an answer) kept it; `images`:
+    the images it names, by digest (KeyError for one that is missing)."""
+    content = record.get("content") or ""
+    if not isinstance(content, str):  # a template's parts: the text part (images are named apart)
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return Message(
+        role=record["role"],
+        content=content,
+        reasoning=record.get("reasoning_content") or "",
+        tool_calls=[
+            ToolCall(c["function"]["name"], c["function"]["arguments"], c.get("id") or "")
+            for c in record.get("tool_calls") or []
+        ],
+        tool_call_id=record.get("tool_call_id") or "",
+        name=record.get("name") or "",
+        images=[images[d] for d in record.get("images") or []],
+    )
 
 
 def hash_key(api_key: str) -> str:
@@ -83,6 +104,10 @@ class PreparedCall:
     released: bool = False
     upstream_body: dict[str, Any] | None = None  # the request an upstream gets
     images: list[Image] = field(default_factory=list)  # the prompt's images, in order
+    # The dialect's id for the response, and what it keeps with it, recorded with the call if it
+    # succeeds (the Responses API's previous_response_id is served from these after a restart).
+    response_id: str = ""
+    response_context: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -112,8 +137,11 @@ class GatewayCore:
         max_context: int | None = None,
         max_inflight: int = 1024,
         upstreams: Mapping[str, Upstream] | None = None,
+        workers: Workers | None = None,
     ) -> None:
         self.engine = engine
+        # Parsing, rendering and tokenising, off the event loop.
+        self.workers = workers or Workers()
         self.upstreams = dict(upstreams or {})
         self.renderer = renderer
         self.store = store
@@ -236,8 +264,9 @@ class GatewayCore:
         return row
 
     # -- one model call -----------------------------------------------------------------
-    def prepare(self, session: Session, conv: Conversation) -> PreparedCall:
-        """Everything up to the engine: checks, prompt ids (token memory) and sampling.
+    async def prepare(self, session: Session, conv: Conversation) -> PreparedCall:
+        """Everything up to the engine: checks, prompt ids (token memory, on a worker thread) and
+        sampling.
 
         Raises GatewayError before anything was streamed, so the caller can still answer with a
         plain error status.
@@ -257,7 +286,17 @@ class GatewayCore:
                 code="rate_limit_exceeded",
                 retry_after=1,
             )
-        plan = self._plan(session, conv)
+        if not session.upstream:
+            self._check_prompt_size(conv)
+        self.inflight += 1  # counted from here so a burst cannot slip past the limit
+        try:
+            return await self._prepare(session, conv)
+        except BaseException:
+            self.inflight -= 1
+            raise
+
+    async def _prepare(self, session: Session, conv: Conversation) -> PreparedCall:
+        plan = await self.workers.run(self._plan, session, conv)
         params: SamplingParams | None = None
         body: dict[str, Any] | None = None
         if session.upstream:
@@ -281,23 +320,44 @@ class GatewayCore:
                 raise context_length_exceeded(prompt_tokens, int(exc.args[0])) from exc
         seq = session.next_seq
         session.next_seq += 1
-        self.inflight += 1  # counted from here so a burst cannot slip past the limit
         return PreparedCall(
             session, conv, plan, params, used, seq, time.time(), upstream_body=body, images=list(plan.images)
         )
 
+    def images_refused(
+        self, session: Session, shown: int | None = None, param: str = "messages"
+    ) -> GatewayError | None:
+        """The 400 for images this rollout's model cannot take (None when it takes them)."""
+        if session.upstream or self.renderer.takes_images:
+            return None
+        many = "images" if shown is None else f"{shown}"
+        return GatewayError(
+            400,
+            f"The policy model {self.model_name} takes no images (it reads text only), and this "
+            f"request shows {many}. Send text only, or serve a vision-language model.",
+            kind="invalid_request",
+            code="images_not_supported",
+            param=param,
+        )
+
+    def _check_prompt_size(self, conv: Conversation) -> None:
+        """A 400 for a prompt certainly too long for the context, before it is rendered or tokenised.
+
+        No token covers more than `renderer.max_token_chars` characters, so a prompt whose messages
+        hold more than that many times the context in characters (doubled, for normalisers that
+        fold characters) cannot fit: answering that takes a sum instead of seconds of tokenising.
+        """
+        chars = sum(len(m.content) for m in conv.messages)
+        bound = self.max_context * self.renderer.max_token_chars * 2
+        if chars > bound:
+            at_least = chars // (self.renderer.max_token_chars * 2)
+            raise context_length_exceeded(at_least, self.max_context)
+
     def _plan(self, session: Session, conv: Conversation) -> PromptPlan:
         """Token memory's plan for the call; a 400 for images the policy cannot take."""
         shown = message_images(conv.messages)
-        if shown and not session.upstream and not self.renderer.takes_images:
-            raise GatewayError(
-                400,
-                f"The policy model {self.model_name} takes no images (it reads text only), and this "
-                f"request shows {len(shown)}. Send text only, or serve a vision-language model.",
-                kind="invalid_request",
-                code="images_not_supported",
-                param="messages",
-            )
+        if shown and (refused := self.images_refused(session, len(shown))) is not None:
+            raise refused
         try:
             return session.memory.plan(conv.messages, conv.tools)
         except ValueError as exc:  # e.g. an image placeholder token typed into a message's text
@@ -326,7 +386,10 @@ class GatewayCore:
             call.released = True
             self.inflight -= 1
 
-    def count_tokens(self, session: Session, conv: Conversation) -> int:
+    async def count_tokens(self, session: Session, conv: Conversation) -> int:
+        return await self.workers.run(self._count_tokens, session, conv)
+
+    def _count_tokens(self, session: Session, conv: Conversation) -> int:
         """The prompt length this conversation would have (token memory included), without a call.
         For an upstream's rollout: an estimate, in the policy's tokenizer."""
         if session.upstream:
@@ -337,7 +400,7 @@ class GatewayCore:
         return len(self._plan(session, conv).prompt_ids)
 
     async def complete(self, session: Session, conv: Conversation) -> CallOutcome:
-        return await self.run(self.prepare(session, conv))
+        return await self.run(await self.prepare(session, conv))
 
     async def run(self, call: PreparedCall) -> CallOutcome:
         """Generate, parse, record durably, and only then return (the harness's acknowledgement)."""
@@ -523,6 +586,7 @@ class GatewayCore:
         row.parent_call_id = commit.parent_call_id
         row.branch_reason = commit.reason
         row.memory = commit.tip.memory_record()
+        row.response_id, row.response_context = call.response_id, call.response_context
         try:
             call_id = await self.store.record_call(row, call.images)
         except BaseException:

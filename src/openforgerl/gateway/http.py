@@ -7,12 +7,13 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.errors import GatewayError
+from openforgerl.gateway.workers import TRIM_AFTER_BYTES, trim_memory_later
 from openforgerl.jsonutil import dumps
 
 KEEPALIVE_S = 10.0  # SSE comment while the engine works, so idle-timeouts in clients don't fire
@@ -39,19 +40,66 @@ def api_key_of(request: HTTPConnection, *, in_query: bool = True) -> str | None:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+BODY_TIMEOUT_S = 60.0  # when the app does not say (`app.state.body_timeout_s`, set by build_app)
+
+
+class BodyTimeout(GatewayError):
+    """408: the client stopped sending its body. The connection is closed after the answer: the
+    rest of the body may still come, and would be read as the next request (RFC 9110, 15.5.9)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout"
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "connection": "close"}
+
+
+def _check_json_type(request: Request) -> None:
+    """A body of another declared type (text/plain, a form) is refused rather than guessed at; no
+    content type at all is read as JSON, as the public APIs do."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise GatewayError(
+            415,
+            f"The request body must be JSON (Content-Type: application/json), not {media or 'empty'!r}.",
+            kind="invalid_request",
+            code="unsupported_media_type",
+        )
+
+
+async def read_body(request: Request, limit: int, *, json: bool = True) -> bytes:
+    """The body, refused with 413 over `limit` bytes and with 408 unless it all arrives within the
+    app's `body_timeout_s` (a slow sender otherwise holds its connection and task for ever); with
+    `json`, a body of a declared non-JSON type is a 415."""
+    if json:
+        _check_json_type(request)
     declared = request.headers.get("content-length")
     too_large = GatewayError(
         413, f"The request body exceeds the gateway's limit of {limit} bytes.", kind="too_large"
     )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
+    app = request.scope.get("app")
+    timeout: float | None = getattr(app.state, "body_timeout_s", BODY_TIMEOUT_S) if app else BODY_TIMEOUT_S
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(timeout or 0) from None
+    except ClientDisconnect:  # nobody reads the answer; without this, a traceback in the log per drop
+        raise GatewayError(400, "The client went away before its body arrived.") from None
+    if size > TRIM_AFTER_BYTES:
+        trim_memory_later()
     return b"".join(chunks)
 
 
@@ -108,9 +156,33 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await self._stream(receive, send)
+            if scope.get("http_version") == "1.0":
+                await self._whole(receive, send)
+            else:
+                await self._stream(receive, send)
         finally:
             self.release()
+
+    async def _whole(self, receive: Receive, send: Send) -> None:
+        """HTTP/1.0 has no chunked encoding: the same events, sent at once with their length."""
+        try:
+            outcome = await race_disconnect(receive, self.work())
+            if outcome is None:
+                return
+            body = self.first + self._events(outcome)
+        except GatewayError as err:
+            body = self.first + self.on_error(err)
+        self.headers["content-length"] = str(len(body))
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _events(self, outcome: CallOutcome) -> bytes:
+        try:
+            return b"".join(self.events(outcome))
+        except GatewayError as err:
+            return self.on_error(err)
+        except Exception as exc:  # a bug after the 200 went out: an error event, never a cut-off stream
+            return self.on_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))
 
     async def _stream(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -137,6 +209,8 @@ class SSEResponse(Response):
             outcome = task.result()
         except GatewayError as err:
             body = self.on_error(err)
+        except Exception as exc:  # as in _events: the stream ends with an error event
+            body = self.on_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))
         else:
-            body = b"".join(self.events(outcome))
+            body = self._events(outcome)
         await send({"type": "http.response.body", "body": body, "more_body": False})

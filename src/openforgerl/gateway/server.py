@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -19,8 +20,10 @@ from starlette.applications import Starlette
 from openforgerl.engines import make_engine
 from openforgerl.engines.base import PREFIX_CACHE_MB, Engine
 from openforgerl.gateway.app import Gateway
+from openforgerl.gateway.connections import ConnectionLimits, protocol_class
 from openforgerl.gateway.core import GatewayCore
 from openforgerl.gateway.upstream import Upstream, UpstreamSpec
+from openforgerl.gateway.workers import Workers
 from openforgerl.rendering import renderer_for
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import Store
@@ -41,7 +44,19 @@ class GatewayConfig:
     max_context: int | None = None  # prompt + completion; None: the model's own context length
     max_inflight: int = 1024
     max_body: int = 32 << 20
+    # Slow or stalled clients (slowloris): a request's headers must arrive within header_timeout_s
+    # (from the connection's opening, or the request's first byte on a reused one) and its body
+    # within body_timeout_s (from when the gateway starts reading it; 32 MB in 60 s is 0.5 MB/s).
+    header_timeout_s: float | None = 30.0
+    body_timeout_s: float | None = 60.0
+    # Open connections one peer address may hold. Every rollout's harness reaches a local gateway
+    # from 127.0.0.1 (directly or through its sandbox's relay), so this must hold a whole run: each
+    # of max_inflight calls in flight plus about as many idle keep-alive connections between calls.
+    # It bounds a flood well below the usual open-file limits; raise it with max_inflight.
+    max_connections_per_peer: int | None = 2048
     durability: str = "full"
+    # Threads that parse, render and tokenise calls off the event loop (gateway/workers.py).
+    work_threads: int = 2
     # External models a rollout can be answered by instead of the policy (`"upstream": NAME`).
     upstreams: list[UpstreamSpec] = field(default_factory=list)
     engine_threads: int | None = None  # the built-in engine's CPU threads (None: torch's default)
@@ -66,6 +81,7 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
         max_context=cfg.max_context,
         max_inflight=cfg.max_inflight,
         upstreams=upstreams,
+        workers=Workers(cfg.work_threads),
     )
     gateway = Gateway(
         core,
@@ -74,6 +90,7 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
         max_body=cfg.max_body,
     )
     app = gateway.app()
+    app.state.body_timeout_s = cfg.body_timeout_s  # read by http.read_body
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -85,9 +102,24 @@ def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlet
             for upstream in upstreams.values():
                 await upstream.aclose()
             await store.close()
+            core.workers.close()
 
     app.router.lifespan_context = lifespan
     return app, gateway
+
+
+def server_options(cfg: GatewayConfig) -> dict[str, Any]:
+    """uvicorn's settings for a gateway, the same for `serve` and `serve_in_thread`."""
+    limits = ConnectionLimits(cfg.header_timeout_s, cfg.max_connections_per_peer)
+    return {
+        "host": cfg.host,
+        "port": cfg.port,
+        "http": protocol_class(limits),  # httptools (uvicorn's default here) with connection limits
+        "log_level": "warning",
+        "access_log": False,
+        "backlog": 4096,
+        "ws_max_size": cfg.max_body,
+    }
 
 
 def serve(cfg: GatewayConfig) -> None:
@@ -99,16 +131,7 @@ def serve(cfg: GatewayConfig) -> None:
             "" if os.environ.get(spec.env) else f" (WARNING: ${spec.env} is not set: its calls will fail)"
         )
         print(f"upstream {spec.describe()}{missing}", flush=True)
-    uvicorn.run(
-        app,
-        host=cfg.host,
-        port=cfg.port,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=75,
-        backlog=4096,
-        ws_max_size=cfg.max_body,
-    )
+    uvicorn.run(app, timeout_keep_alive=75, **server_options(cfg))
 
 
 def free_port() -> int:
@@ -137,17 +160,7 @@ def serve_in_thread(cfg: GatewayConfig, engine: Engine | None = None) -> Iterato
     cfg.port = cfg.port or free_port()
     cfg.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
     app, gateway = build_app(cfg, engine)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=cfg.host,
-            port=cfg.port,
-            log_level="warning",
-            access_log=False,
-            backlog=4096,
-            ws_max_size=cfg.max_body,
-        )
-    )
+    server = uvicorn.Server(uvicorn.Config(app, **server_options(cfg)))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
     thread.start()

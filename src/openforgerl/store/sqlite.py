@@ -90,6 +90,24 @@ CREATE TABLE IF NOT EXISTS images (
     bytes BLOB NOT NULL,
     created_at REAL NOT NULL
 );
+-- A dialect's id for the response an ok call answered (the Responses API's `resp_...`), scoped to
+-- the rollout, with what continuing from it needs beyond the call's own record (written in the
+-- call's transaction): `previous_response_id` is served from here once memory has lost it.
+CREATE TABLE IF NOT EXISTS responses (
+    call_id INTEGER PRIMARY KEY REFERENCES calls(id),
+    rollout_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    context TEXT NOT NULL DEFAULT '{}'
+);
+CREATE UNIQUE INDEX IF NOT EXISTS responses_id ON responses(rollout_id, id);
+-- Which rollout uploaded which image (POST /v1/files): a file is visible to its uploader only, so
+-- a key cannot read another rollout's bytes, nor learn that somebody uploaded a given picture.
+CREATE TABLE IF NOT EXISTS uploads (
+    rollout_id TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (rollout_id, digest)
+);
 """
 
 # Columns added since the first schema, with their definitions: an older database gets them on open.
@@ -179,6 +197,10 @@ class CallRow:
     id: int | None = None
     # The digests of the images in the call's full prompt, in order (the bytes are in `images`).
     image_digests: list[str] = field(default_factory=list)
+    # The dialect's id for the response this call answered ('' for none) and what the dialect keeps
+    # with it (the `responses` table, not a column of `calls`).
+    response_id: str = ""
+    response_context: dict[str, Any] = field(default_factory=dict)
 
 
 _ROLLOUT_COLS = (
@@ -191,6 +213,11 @@ _CALL_COLS = (
     "memory, created_at, latency_ms, image_digests"
 )
 _IMAGE_COLS = "digest, media_type, width, height, bytes, created_at"
+# A call with the response it answered, if any (`calls AS c LEFT JOIN responses AS r`).
+_CALL_WITH_RESPONSE = (
+    ", ".join(f"c.{col}" for col in _CALL_COLS.split(", "))
+    + ", r.id AS response_id, r.context AS response_context"
+)
 _IMAGES_REMEMBERED = 200_000  # digests known to be stored, kept to skip rewriting their bytes
 _IN_CHUNK = 500  # digests per `IN (...)` query, below SQLite's limit on parameters
 
@@ -480,9 +507,42 @@ class Store:
     async def images(self, digests: Iterable[str]) -> dict[str, Image]:
         return await asyncio.to_thread(self.images_sync, list(digests))
 
-    async def image_created_at(self, digest: str) -> float | None:
-        rows = await self._read("SELECT created_at FROM images WHERE digest=?", (digest,))
-        return float(rows[0]["created_at"]) if rows else None
+    async def put_upload(self, rollout_id: str, image: Image) -> float:
+        """Keep an image a rollout uploaded; returns when it was first uploaded by that rollout."""
+
+        def op(conn: sqlite3.Connection) -> float:
+            self._insert_images(conn, [image])
+            conn.execute(
+                "INSERT OR IGNORE INTO uploads (rollout_id, digest, created_at) VALUES (?,?,?)",
+                (rollout_id, image.digest, time.time()),
+            )
+            row = conn.execute(
+                "SELECT created_at FROM uploads WHERE rollout_id=? AND digest=?", (rollout_id, image.digest)
+            ).fetchone()
+            return float(row[0])
+
+        created: float = await self._write(op)
+        self._remember_images([image])
+        return created
+
+    def _uploads_sync(self, rollout_id: str, digests: list[str]) -> dict[str, tuple[Image, float]]:
+        out: dict[str, tuple[Image, float]] = {}
+        for i in range(0, len(digests), _IN_CHUNK):
+            chunk = digests[i : i + _IN_CHUNK]
+            rows = self._read_sync(
+                "SELECT i.digest, i.media_type, i.width, i.height, i.bytes, u.created_at AS uploaded "
+                "FROM uploads u JOIN images i ON i.digest = u.digest "
+                f"WHERE u.rollout_id=? AND u.digest IN ({','.join('?' * len(chunk))})",
+                (rollout_id, *chunk),
+            )
+            for r in rows:
+                image = Image(r["digest"], r["media_type"], r["width"], r["height"], r["bytes"])
+                out[r["digest"]] = (image, float(r["uploaded"]))
+        return out
+
+    async def uploads(self, rollout_id: str, digests: Iterable[str]) -> dict[str, tuple[Image, float]]:
+        """The images among `digests` that this rollout uploaded, with when it uploaded each."""
+        return await asyncio.to_thread(self._uploads_sync, rollout_id, list(dict.fromkeys(digests)))
 
     # -- calls ---------------------------------------------------------------------------
     async def record_call(self, call: CallRow, images: Sequence[Image] = ()) -> int:
@@ -529,6 +589,11 @@ class Store:
                 ),
             )
             assert cur.lastrowid is not None
+            if call.response_id:
+                conn.execute(
+                    "INSERT INTO responses (call_id, rollout_id, id, context) VALUES (?,?,?,?)",
+                    (cur.lastrowid, call.rollout_id, call.response_id, dumps(call.response_context)),
+                )
             return cur.lastrowid
 
         call_id: int = await self._write(op)
@@ -541,6 +606,34 @@ class Store:
             f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id=? ORDER BY seq", (rollout_id,)
         )
         return [_call_from_row(r) for r in rows]
+
+    def response_chain_sync(self, rollout_id: str, response_id: str) -> list[CallRow]:
+        """The call of this rollout that answered `response_id`, then the calls its prompt extends,
+        parent after parent up to where its branch began (nearest first), each with its response's
+        id and context when it has one; [] when the rollout has no such response. For readers in
+        threads."""
+        rows = self._read_sync(
+            f"SELECT {_CALL_WITH_RESPONSE} FROM responses r JOIN calls c ON c.id = r.call_id "
+            "WHERE r.rollout_id=? AND r.id=?",
+            (rollout_id, response_id),
+        )
+        chain: list[CallRow] = []
+        seen: set[int] = set()
+        while rows:
+            call = _call_from_row(rows[0])
+            call.response_id = rows[0]["response_id"] or ""
+            call.response_context = orjson.loads(rows[0]["response_context"] or "{}")
+            chain.append(call)
+            assert call.id is not None
+            seen.add(call.id)
+            if call.parent_call_id is None or call.parent_call_id in seen:
+                break
+            rows = self._read_sync(
+                f"SELECT {_CALL_WITH_RESPONSE} FROM calls c LEFT JOIN responses r ON r.call_id = c.id "
+                "WHERE c.id=? AND c.rollout_id=?",
+                (call.parent_call_id, rollout_id),
+            )
+        return chain
 
     @staticmethod
     def full_prompts(calls: Sequence[CallRow]) -> dict[int, list[int]]:

@@ -46,6 +46,7 @@ from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
 from openforgerl.gateway.core import CallOutcome, PreparedCall
+from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import JSONResponse, read_body
 from openforgerl.images import Image, image_from_base64, image_from_file
@@ -151,9 +152,9 @@ class OutputConfig(_Wire):
 
 class MessagesRequest(_Wire):
     model: str
-    messages: list[WireMessage] = Field(min_length=1)
+    messages: list[WireMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
-    tools: list[ToolDef] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     # Required by Anthropic's API; optional here, so the run's policy supplies the default.
     max_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
@@ -564,8 +565,8 @@ class AnthropicMessages:
             try:
                 session = await gateway.session(request)
                 body = await read_body(request, gateway.max_body)
-                conv, _ = parse_request(body, await gateway.files_in(body))
-                tokens = gateway.core.count_tokens(session, conv)
+                conv, _ = await gateway.parse(session, body, parse_request)
+                tokens = await gateway.core.count_tokens(session, conv)
             except GatewayError as err:
                 return self.error_response(err)
             return JSONResponse({"input_tokens": tokens})

@@ -38,8 +38,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from openforgerl import jsonutil
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
 from openforgerl.gateway.core import CallOutcome
+from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import JSONResponse, read_body
 from openforgerl.images import Image, digest_of_file_id, image_from_base64, image_from_file
@@ -131,7 +133,7 @@ class GenerationConfig(_Wire):
     max_output_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
     stop_sequences: list[str] | None = None
     candidate_count: int = 1
-    seed: int | None = None
+    seed: Seed | None = None
     response_mime_type: str | None = None
     response_schema: dict[str, Any] | None = None
     response_json_schema: dict[str, Any] | None = None
@@ -139,15 +141,15 @@ class GenerationConfig(_Wire):
 
 
 class GenerateContentRequest(_Wire):
-    contents: list[Content] = Field(default_factory=list)
+    contents: list[Content] = Field(default_factory=list, max_length=MAX_MESSAGES)
     system_instruction: Content | str | None = None
-    tools: list[ToolEntry] | None = None
+    tools: list[ToolEntry] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_config: ToolConfig | None = None
     generation_config: GenerationConfig | None = None
 
 
 class CountTokensRequest(_Wire):
-    contents: list[Content] = Field(default_factory=list)
+    contents: list[Content] = Field(default_factory=list, max_length=MAX_MESSAGES)
     generate_content_request: GenerateContentRequest | None = None
 
 
@@ -165,8 +167,8 @@ def _validated(model: type[_M], body: bytes) -> _M:
     try:
         # orjson first: like the JS clients, it reads big integers as doubles, and it refuses lone
         # surrogates and NaN/infinity, which orjson.dumps (token memory) could not write back.
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
+        data = jsonutil.loads(body)
+    except ValueError as exc:
         raise bad_request(f"Invalid JSON payload received. {exc}") from exc
     try:
         return model.model_validate(data)
@@ -514,8 +516,9 @@ class Gemini:
             try:
                 session = await gateway.session(request)
                 body = await read_body(request, gateway.max_body)
-                conv = parse_count_tokens(body, request.path_params["model"], await gateway.files_in(body))
-                total = gateway.core.count_tokens(session, conv)
+                model = request.path_params["model"]
+                conv = await gateway.parse(session, body, lambda b, f: parse_count_tokens(b, model, f))
+                total = await gateway.core.count_tokens(session, conv)
             except GatewayError as err:
                 return self.error_response(err)
             return JSONResponse({"totalTokens": total})

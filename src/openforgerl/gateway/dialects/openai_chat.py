@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
 from openforgerl.gateway.core import CallOutcome
+from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import JSONResponse
 from openforgerl.images import Image, image_from_data_url, image_from_file, image_from_url
@@ -101,8 +102,8 @@ class ResponseFormat(_Wire):
 
 class ChatCompletionRequest(_Wire):
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ToolDef] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -110,7 +111,7 @@ class ChatCompletionRequest(_Wire):
     max_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
     max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -19,7 +19,13 @@ State: clients send `store: false` yet chain requests with `previous_response_id
 items (Codex over WebSocket always does). The gateway remembers, per rollout, in memory and bounded,
 each response's conversation (instructions, messages including its output, tools), and expands such a
 request to the full conversation before it reaches the core. A request without `instructions` or
-`tools` inherits those of the previous response.
+`tools` inherits those of the previous response. A response that memory has lost (a restarted gateway,
+or one forgotten for newer ones) is rebuilt from the store, scoped to the rollout: its call's record
+and the records of the calls its prompt extends hold the conversation (each holds the messages its
+parent had not seen, and its answer), and the call keeps, in its transaction, the response id, whether
+the conversation starts with the instructions, and the tools as the Response lists them (once per
+branch, and again when they change). A prewarm (`generate: false`) makes no call: its context lives
+in memory only.
 
 WebSocket (Codex's built-in provider; `openai-beta: responses_websockets=...`): the key is checked on
 the handshake like on HTTP (401 in the Responses error shape otherwise). Each text frame
@@ -34,14 +40,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -50,6 +58,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from openforgerl import jsonutil
 from openforgerl.conversation import (
     Conversation,
     Message,
@@ -59,11 +68,13 @@ from openforgerl.conversation import (
     ToolCall,
     parse_arguments,
 )
-from openforgerl.gateway.core import CallOutcome, PreparedCall, Session
+from openforgerl.gateway.core import CallOutcome, PreparedCall, Session, message_from_record
+from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS
 from openforgerl.gateway.dialects.openai_chat import error_body
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import KEEPALIVE_S, JSONResponse, read_body
 from openforgerl.images import Image, image_from_file, image_from_url
+from openforgerl.store import Store
 
 if TYPE_CHECKING:
     from openforgerl.gateway.app import Gateway
@@ -139,9 +150,9 @@ class TextConfig(_Wire):
 
 class ResponsesRequest(_Wire):
     model: str
-    input: str | list[Any] | None = None
+    input: str | Annotated[list[Any], Field(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, strict=True)  # not "10", not true
@@ -405,29 +416,33 @@ class Context:
 
 
 class Contexts:
-    """response id -> Context, per rollout, bounded; the least recently used go first."""
+    """response id -> Context, per rollout, bounded; the least recently used go first. Thread-safe:
+    requests are parsed (and their previous context recalled) on worker threads."""
 
     def __init__(self, per_rollout: int = CONTEXTS_PER_ROLLOUT, rollouts: int = ROLLOUTS_REMEMBERED) -> None:
         self.per_rollout = per_rollout
         self.rollouts = rollouts
         self._by_rollout: OrderedDict[str, OrderedDict[str, Context]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, rollout_id: str, response_id: str) -> Context | None:
-        contexts = self._by_rollout.get(rollout_id)
-        context = contexts.get(response_id) if contexts is not None else None
-        if contexts is not None and context is not None:
-            self._by_rollout.move_to_end(rollout_id)
-            contexts.move_to_end(response_id)
-        return context
+        with self._lock:
+            contexts = self._by_rollout.get(rollout_id)
+            context = contexts.get(response_id) if contexts is not None else None
+            if contexts is not None and context is not None:
+                self._by_rollout.move_to_end(rollout_id)
+                contexts.move_to_end(response_id)
+            return context
 
     def put(self, rollout_id: str, response_id: str, context: Context) -> None:
-        contexts = self._by_rollout.setdefault(rollout_id, OrderedDict())
-        self._by_rollout.move_to_end(rollout_id)
-        contexts[response_id] = context
-        if len(contexts) > self.per_rollout:
-            contexts.popitem(last=False)
-        if len(self._by_rollout) > self.rollouts:
-            self._by_rollout.popitem(last=False)
+        with self._lock:
+            contexts = self._by_rollout.setdefault(rollout_id, OrderedDict())
+            self._by_rollout.move_to_end(rollout_id)
+            contexts[response_id] = context
+            if len(contexts) > self.per_rollout:
+                contexts.popitem(last=False)
+            if len(self._by_rollout) > self.rollouts:
+                self._by_rollout.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -437,6 +452,16 @@ class Turn:
     req: ResponsesRequest
     conv: Conversation
     context: Context  # before this response's output
+    previous: Context | None = None  # what previous_response_id stood for
+
+    def recorded(self, extends_a_call: bool) -> dict[str, Any]:
+        """What the call's record keeps to rebuild this response's context (`rebuilt_context`):
+        whether its first message is the instructions, and the tools as listed, unless the call
+        extends another (same tools for the model) and they are the previous response's."""
+        out: dict[str, Any] = {"instructions": bool(self.context.instructions)}
+        if not extends_a_call or (self.previous is not None and self.previous.tools != self.context.tools):
+            out["tools"] = list(self.context.tools.listed)
+        return out
 
 
 def parse_turn(
@@ -486,7 +511,38 @@ def parse_turn(
         stream=req.stream,
         dialect=NAME,
     )
-    return Turn(req, conv, Context(instructions or None, tuple(history), tools))
+    return Turn(req, conv, Context(instructions or None, tuple(history), tools), previous)
+
+
+def rebuilt_context(store: Store, rollout_id: str, response_id: str) -> Context | None:
+    """What a response of this rollout stands for, rebuilt from the store (None when the rollout has
+    no such response): the conversation its call's record and those of the calls it extends hold,
+    with its answer, and the instructions and tools kept with it. Reads the store: for a thread."""
+    chain = store.response_chain_sync(rollout_id, response_id)
+    if not chain or chain[-1].parent_call_id is not None:  # a parent is missing: not rebuilt
+        return None
+    records: list[dict[str, Any]] = list(chain[-1].messages_delta)
+    for parent, call in itertools.pairwise(reversed(chain)):
+        records.append(parent.response)  # the parent's answer, which the call's prompt holds
+        records += call.messages_delta
+    records.append(chain[0].response)
+    images = store.images_sync(d for r in records for d in r.get("images") or [])
+    try:
+        messages = [message_from_record(r, images) for r in records]
+    except KeyError:  # an image the store lacks
+        return None
+    listed = next((c.response_context["tools"] for c in chain if "tools" in c.response_context), None)
+    if listed is not None:
+        tools = tool_set(listed)
+    else:  # the branch began with a call of another dialect: its definitions, as functions
+        defined = chain[-1].sampling_requested.get("tool_definitions")
+        if defined is None and chain[-1].sampling_requested.get("tools"):
+            return None
+        tools = tool_set([{"type": "function", **t["function"]} for t in defined or []])
+    instructions = None
+    if chain[0].response_context.get("instructions") and messages and messages[0].role == "system":
+        instructions, messages = messages[0].content, messages[1:]
+    return Context(instructions, tuple(messages), tools)
 
 
 def _new_id(prefix: str) -> str:
@@ -720,9 +776,31 @@ class OpenAIResponses:
     def __init__(self) -> None:
         self.contexts = Contexts()
 
-    def turn(self, session: Session, body: bytes | dict[str, Any], files: Mapping[str, Image]) -> Turn:
-        """Parse a request body, expanding its `previous_response_id` from this rollout's memory."""
-        return parse_turn(body, lambda response_id: self.contexts.get(session.rollout.id, response_id), files)
+    def turn(
+        self, session: Session, body: bytes | dict[str, Any], files: Mapping[str, Image], store: Store
+    ) -> Turn:
+        """Parse a request body, expanding its `previous_response_id` from this rollout's memory, or
+        from `store` when memory has lost it (a restart; a read of the store, which is why this
+        belongs on a worker thread, like the rest of parsing)."""
+        rollout = session.rollout.id
+
+        def recall(response_id: str) -> Context | None:
+            context = self.contexts.get(rollout, response_id)
+            if context is None:
+                context = rebuilt_context(store, rollout, response_id)
+                if context is not None:
+                    self.contexts.put(rollout, response_id, context)
+            return context
+
+        return parse_turn(body, recall, files)
+
+    @staticmethod
+    async def prepare(gateway: Gateway, session: Session, reply: Reply) -> PreparedCall:
+        """The core's call for a reply, recorded with what rebuilding the reply's context needs."""
+        prepared = await gateway.core.prepare(session, reply.turn.conv)
+        prepared.response_id = reply.id
+        prepared.response_context = reply.turn.recorded(prepared.plan.parent is not None)
+        return prepared
 
     def remember(self, session: Session, reply: Reply, out: CallOutcome | None) -> None:
         context = reply.turn.context
@@ -736,14 +814,17 @@ class OpenAIResponses:
             try:
                 session = await gateway.session(request)
                 body = await read_body(request, gateway.max_body)
-                turn = self.turn(session, body, await gateway.files_in(body))
+                store = gateway.core.store
+                turn = await gateway.parse(
+                    session, body, lambda b, files: self.turn(session, b, files, store)
+                )
                 reply = Reply(turn)
                 if not turn.req.generate:
                     self.remember(session, reply, None)
                     if turn.req.stream:
                         return Response(sse(reply.prewarm_events()), media_type="text/event-stream")
                     return JSONResponse(reply.prewarmed())
-                prepared = gateway.core.prepare(session, turn.conv)
+                prepared = await self.prepare(gateway, session, reply)
             except GatewayError as err:
                 return self.error_response(err)
             if turn.req.stream:
@@ -825,8 +906,8 @@ class _Socket:
 
     async def _answer(self, frame: str | bytes) -> None:
         try:
-            event = orjson.loads(frame)
-        except orjson.JSONDecodeError as exc:
+            event = jsonutil.loads(frame)
+        except ValueError as exc:
             raise bad_request(f"The frame is not valid JSON: {exc}") from exc
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "response.processed":
@@ -835,13 +916,16 @@ class _Socket:
             raise bad_request(f"Unsupported event type {kind!r}: send 'response.create'.", param="type")
         stream_id = event.get("stream_id")
         raw = frame.encode() if isinstance(frame, str) else frame
-        turn = self.dialect.turn(self.session, event, await self.gateway.files_in(raw))
+        store = self.gateway.core.store
+        turn = await self.gateway.parse(
+            self.session, raw, lambda _, files: self.dialect.turn(self.session, event, files, store)
+        )
         reply = Reply(turn, stream_id if isinstance(stream_id, str) else None)
         if not turn.req.generate:
             self.dialect.remember(self.session, reply, None)
             await self._send(reply.prewarm_events())
             return
-        prepared = self.gateway.core.prepare(self.session, turn.conv)
+        prepared = await self.dialect.prepare(self.gateway, self.session, reply)
         try:
             await self._send(reply.opening())
             outcome = await self._run(prepared, reply)
