@@ -201,7 +201,7 @@ async def _engine_child(model: str, runs: int, chunk: int, max_tokens: int) -> d
 
 def _trainer_child(model: str, tokens: int, completion: int) -> dict[str, Any]:
     from openforgerl.rl.trainer import Policy
-    from openforgerl.trajectory import Sample
+    from openforgerl.rollouts.trajectory import Sample
 
     policy = Policy(model, lr=1e-5, device="cpu")
     rng = random.Random(0)

@@ -25,7 +25,7 @@ from typing import Any
 
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.evaluate import EvalOptions, run_rollouts
-from openforgerl.runner import Status
+from openforgerl.rollouts.results import Status
 from openforgerl.tasks import load_tasks
 
 SETTINGS = {"on": 512.0, "off": 0.0}  # prefix_cache_mb
@@ -48,7 +48,7 @@ def one_run(
         progress=False,
     )
     t0 = time.perf_counter()
-    results, _ = run_rollouts(opts, engine, tasks)
+    results = run_rollouts(opts, engine, tasks)
     wall = time.perf_counter() - t0
     return {
         "rollouts": len(results),

@@ -129,7 +129,7 @@ def _trainer_speed(model: str, lora_rank: int, checkpointing: bool, rows: int, l
     import torch
 
     from openforgerl.rl.trainer import Policy, Tuning
-    from openforgerl.trajectory import NO_VERSION, Sample
+    from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 
     torch.set_num_threads(2)
     policy = Policy(model, lr=1e-5, tuning=Tuning(lora_rank=lora_rank, gradient_checkpointing=checkpointing))

@@ -34,9 +34,9 @@ from typing import Any
 
 from openforgerl.evaluate import EvalOptions, run_study
 from openforgerl.modelkit.pretrained import cached_pretrained
-from openforgerl.runner import RunState
+from openforgerl.rollouts.results import RunState
+from openforgerl.rollouts.trajectory import calls_from_rows
 from openforgerl.store.sqlite import CallRow, Store
-from openforgerl.trajectory import calls_from_rows
 
 MODEL = "smollm2-135m-instruct"
 

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.harnesses.launch import react_harness
 from openforgerl.modelkit import cached_model
 from openforgerl.rl.oracle_teacher import OracleTeacherEngine
-from openforgerl.runner import Runner, RunnerConfig, Status, react_harness
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox import SandboxSpec
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks

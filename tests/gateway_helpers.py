@@ -23,6 +23,7 @@ class ScriptEngine:
 
     name = "scripted"
     max_context = 4096
+    supports_response_format = False
 
     def __init__(self, model_dir: str | Path, script: Callable[[list[int]], str] | None = None) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

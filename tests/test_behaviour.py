@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from openforgerl.behaviour import aggregate, is_error, main_conversation, of_conversation, steps
+from openforgerl.rollouts.trajectory import RecordedCall
 
 
 def call(name: str, args: dict[str, Any], cid: str = "") -> dict[str, Any]:
@@ -137,8 +138,10 @@ def test_parallel_tool_calls_are_paired_with_their_responses_by_id() -> None:
 def test_the_main_conversation_follows_parent_calls_and_leaves_side_requests_out() -> None:
     def record(
         cid: int, parent: int | None, delta: list[dict[str, Any]], response: dict[str, Any], **kw: Any
-    ) -> dict[str, Any]:
-        return {"call_id": cid, "parent_call_id": parent, "messages_delta": delta, "response": response, **kw}
+    ) -> RecordedCall:
+        return RecordedCall(
+            cid, [], [], [], parent_call_id=parent, messages_delta=delta, response=response, **kw
+        )
 
     first = act(call("read_file", {"path": "b.txt"}))
     second = act(call("read_file", {"path": "b.txt"}))

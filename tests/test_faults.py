@@ -5,6 +5,7 @@ the gateway."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,9 +17,11 @@ from pydantic import ValidationError
 
 from openforgerl.evaluate import EvalOptions, run_rollouts
 from openforgerl.faults import ToolFaults, environment
-from openforgerl.react_agent import run_tool
+from openforgerl.harnesses.launch import react_harness
+from openforgerl.harnesses.react import run_tool
 from openforgerl.rl.oracle_teacher import OracleTeacherEngine
-from openforgerl.runner import RolloutResult, Runner, RunnerConfig, react_harness
+from openforgerl.rollouts.results import RolloutResult
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Fault, Task, load_tasks
 from openforgerl.tasks.suites import tools_tiny
@@ -142,14 +145,14 @@ def test_a_faulted_task_in_a_real_sandbox_meets_its_fault_and_the_retrying_teach
         tasks="tools-tiny-faults", split="train", model=str(tiny_model_dir), out=tmp_path, progress=False
     )
     teacher = OracleTeacherEngine(tiny_model_dir, tasks, show_work=True)
-    results, recorded = run_rollouts(opts, teacher, tasks)
+    results = run_rollouts(opts, teacher, tasks)
     for task, r in zip(tasks, results, strict=True):
         assert r.reward == 1.0, r.details
         acted = r.details["behaviour"]
         assert (acted["tool_errors"], acted["recovered"], acted["gave_up"]) == (1, True, False)
         # The recorded conversation shows the fault's error where the file was first read.
         (fault,) = task.faults
-        text = json.dumps(recorded[r.gateway_rollout_id]["calls"])
+        text = json.dumps([dataclasses.asdict(c) for c in r.calls])
         assert f"error: {fault.match}: Resource temporarily unavailable" in text
         assert f"{fault.match} could not be read: reading it again." in text
 

@@ -344,7 +344,7 @@ def test_side_requests_are_flagged(tiny_model_dir: Path, tmp_path: Path) -> None
 
 def test_response_format_reaches_engines_that_can_honour_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     engine = ScriptEngine(tiny_model_dir)
-    engine.supports_response_format = True  # type: ignore[attr-defined]
+    engine.supports_response_format = True
     seen: list[Any] = []
     original = engine.generate
 

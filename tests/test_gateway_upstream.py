@@ -26,9 +26,9 @@ from openforgerl.cli import main
 from openforgerl.gateway.export import ExportCounts, chat_rows
 from openforgerl.gateway.upstream import UpstreamSpec, parse_key_env, parse_upstream, with_key_envs
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data
+from openforgerl.rollouts.trajectory import build_samples, calls_from_json
 from openforgerl.sampling import derive_seed
 from openforgerl.store import CallRow, RolloutRow
-from openforgerl.trajectory import build_samples, calls_from_json
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
 OPENAI_KEY_ENV = "TEST_TEACHER_OPENAI_KEY"

@@ -28,7 +28,7 @@ import pytest
 from click.testing import CliRunner
 
 from openforgerl.cli import main as cli
-from openforgerl.runner import RunState, Status
+from openforgerl.rollouts.results import RunState, Status
 from openforgerl.store.sqlite import CallRow, Store
 from openforgerl.tasks import load_tasks
 from openforgerl.tasks.loader import dump_tasks

@@ -22,13 +22,13 @@ import pytest
 
 from openforgerl.engines.base import SamplingParams
 from openforgerl.engines.transformers_engine import TransformersEngine
-from openforgerl.harnesses import get
+from openforgerl.harnesses.adapters import get
 from openforgerl.rl.loop import TrainOptions, train
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, oracle_samples, write_samples
 from openforgerl.rl.trainer import Policy, TrainerConfig
+from openforgerl.rollouts.trajectory import NO_VERSION, Sample, calls_from_rows
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.store.sqlite import CallRow, Store
-from openforgerl.trajectory import NO_VERSION, Sample, calls_from_rows
 
 pytestmark = pytest.mark.harness
 

@@ -22,13 +22,13 @@ import httpx
 import pytest
 
 import openforgerl.gateway.server as gateway_server
-from openforgerl.harnesses import HARNESSES, Harness, get, run
+from openforgerl.harnesses.adapters import HARNESSES, Harness, get, run
 from openforgerl.harnesses.codex import Codex
 from openforgerl.harnesses.pi import Pi
 from openforgerl.rl.prompt_tools import example_value, json_schema_in, rendered_tools, shell_tool
+from openforgerl.rollouts.trajectory import calls_from_json, token_stats
 from openforgerl.testing.gateway import RunningGateway
 from openforgerl.testing.policy_engine import ScriptedPolicyEngine
-from openforgerl.trajectory import calls_from_json, token_stats
 from tests.gateway_helpers import calls_of, new_rollout, running_gateway
 
 MODEL = "openforge-policy"

@@ -29,7 +29,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from openforgerl.cli import main as cli
-from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig, Status, python_binds
+from openforgerl.harnesses.launch import HarnessLaunch, python_binds
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox import Limits, SandboxSpec, SandboxStartError, SandboxUnavailable
 from openforgerl.sandbox.kubernetes import (
     KubernetesBackend,
@@ -500,7 +502,8 @@ def test_the_cap_on_pods_in_flight_holds(cluster: FakeCluster, kubeconfig: str) 
 RUNNER_SCRIPT = """\
 import asyncio, sys
 from pathlib import Path
-from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig
+from openforgerl.harnesses.launch import HarnessLaunch
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox.kubernetes import KubernetesBackend, KubernetesConfig
 from openforgerl.tasks import Task
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from openforgerl.cli import main as cli
-from openforgerl.launch import HarnessChoice, HarnessNotInstalled, LaunchOptions, harness_names
+from openforgerl.harnesses.launch import HarnessChoice, HarnessNotInstalled, LaunchOptions, harness_names
 from openforgerl.tasks import Task, load_tasks
 
 
@@ -49,7 +49,7 @@ def test_the_react_launch_is_unchanged_through_the_choice(tmp_path: Path) -> Non
         tmpdir = str(tmp_path)
 
     launch = asyncio.run(HarnessChoice("react")(_task(), "http://gw/r/ro_1", "key", FakeSandbox()))  # type: ignore[arg-type]
-    assert launch.argv[1:3] == ["-m", "openforgerl.react_agent"] and "--max-turns" in launch.argv
+    assert launch.argv[1:3] == ["-m", "openforgerl.harnesses.react"] and "--max-turns" in launch.argv
 
 
 def test_eval_refuses_a_missing_cli_before_loading_a_model(tmp_path: Path) -> None:

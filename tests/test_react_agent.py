@@ -34,7 +34,7 @@ def test_react_agent_runs_tools_and_submits(tiny_model_dir: Path, tmp_path: Path
             [
                 sys.executable,
                 "-m",
-                "openforgerl.react_agent",
+                "openforgerl.harnesses.react",
                 "--base-url",
                 ro["base_url"],
                 "--api-key",
@@ -66,7 +66,7 @@ def test_chat_retries_overload_and_reports_refusals() -> None:
 
     import pytest
 
-    from openforgerl.react_agent import APIError, chat
+    from openforgerl.harnesses.react import APIError, chat
 
     replies = [(503, b'{"error": "busy"}'), (200, b'{"choices": [{"message": {"role": "assistant"}}]}')]
     seen: list[dict[str, object]] = []

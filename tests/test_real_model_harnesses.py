@@ -33,13 +33,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from openforgerl.evaluate import EvalOptions, run_study
-from openforgerl.harnesses import get
+from openforgerl.harnesses.adapters import get
+from openforgerl.harnesses.react import SYSTEM_PROMPT as REACT_SYSTEM_PROMPT
 from openforgerl.modelkit.pretrained import IM_START
-from openforgerl.react_agent import SYSTEM_PROMPT as REACT_SYSTEM_PROMPT
-from openforgerl.runner import RolloutResult, RunState, Status
+from openforgerl.rollouts.results import RolloutResult, RunState, Status
+from openforgerl.rollouts.trajectory import build_samples, calls_from_rows
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.store.sqlite import CallRow, RolloutRow, Store
-from openforgerl.trajectory import build_samples, calls_from_rows
 from tests.test_harness_training import HARNESS_MARKS
 
 pytestmark = pytest.mark.real_model

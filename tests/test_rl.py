@@ -52,10 +52,10 @@ from openforgerl.rl.trainer import (
     micro_batches,
     select_groups,
 )
-from openforgerl.runner import RolloutResult, Status
+from openforgerl.rollouts.results import RolloutResult, Status
+from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.tasks import load_tasks
 from openforgerl.tasks.suites.tools_tiny import oracle
-from openforgerl.trajectory import NO_VERSION, Sample
 
 LOG_1_5, LOG_0_5, LOG_1_1 = math.log(1.5), math.log(0.5), math.log(1.1)
 
@@ -637,7 +637,7 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_have_mixed_rewards(
 
     read: list[str] = []
 
-    def recorded(gw: Any, results: list[RolloutResult]) -> list[Rollout]:
+    def recorded(results: list[RolloutResult]) -> list[Rollout]:
         read.extend(r.task_id for r in results)
         return [Rollout(r.task_id, r.reward, []) for r in results]
 
@@ -651,7 +651,7 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_have_mixed_rewards(
         (drawn[4:6], step_dir / "gen-2", f"{tmp_path.name}-step7-gen2"),
     ]  # it stopped at 3 of 5 batches: 2 mixed groups were enough
     assert {r.group for r in got.rollouts} == {drawn[2], drawn[4]}  # the first two mixed groups
-    assert set(read) == {drawn[2], drawn[4]}  # only their calls were read back from the gateway
+    assert set(read) == {drawn[2], drawn[4]}  # only the kept groups go to the trainer
     assert len(got.results) == 6 * 5  # every rollout run is counted in the step's outcomes
     assert got.metrics == {
         "dynamic/gen_batches": 3,

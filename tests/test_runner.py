@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from openforgerl.evaluate import EvalOptions, run_eval, run_rollouts
-from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig, Status, react_harness
+from openforgerl.harnesses.launch import HarnessLaunch, react_harness
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox import SandboxSpec, SandboxStartError
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import CommandVerifier, Task, load_tasks
@@ -109,12 +111,9 @@ def test_a_seeded_evaluation_repeats_exactly_and_each_run_of_a_task_has_its_own_
             seed=seed,
             progress=False,
         )
-        results, recorded = run_rollouts(opts)  # the embedded gateway's own TransformersEngine
+        results = run_rollouts(opts)  # the embedded gateway's own TransformersEngine
         assert len(results) == 4 and all(r.status == Status.DONE for r in results)
-        return {
-            (r.task_id, r.sample): [c["completion_ids"] for c in recorded[r.gateway_rollout_id]["calls"]]
-            for r in results
-        }
+        return {(r.task_id, r.sample): [list(c.completion_ids) for c in r.calls] for r in results}
 
     first, again, other = tokens(3, "a"), tokens(3, "b"), tokens(4, "c")
     assert first == again

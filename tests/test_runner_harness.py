@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from openforgerl import tasks as tasks_pkg
-from openforgerl.harnesses import get
-from openforgerl.runner import Runner, RunnerConfig, Status, cli_harness, python_binds
+from openforgerl.harnesses.adapters import get
+from openforgerl.harnesses.launch import cli_harness, python_binds
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import load_tasks
 from openforgerl.testing.policy_engine import ScriptedPolicyEngine

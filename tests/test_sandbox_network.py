@@ -20,19 +20,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from openforgerl import gui_agent
 from openforgerl.cli import main
 from openforgerl.gateway.upstream import UpstreamSpec
-from openforgerl.gui_agent import EXIT_INFRA, Access, Outcome
-from openforgerl.runner import (
-    HarnessLaunch,
-    NetworkNotAllowed,
-    Runner,
-    RunnerConfig,
-    Status,
-    check_network,
-    gui_harness,
-)
+from openforgerl.harnesses import gui as gui_agent
+from openforgerl.harnesses.gui import EXIT_INFRA, Access, Outcome
+from openforgerl.harnesses.launch import HarnessLaunch, gui_harness
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import NetworkNotAllowed, Runner, RunnerConfig, check_network
 from openforgerl.sandbox import Limits, Sandbox, SandboxSpec, SandboxUnavailable
 from openforgerl.sandbox.docker import DockerBackend, DockerConfig
 from openforgerl.sandbox.kubernetes import KubernetesConfig, pod_manifest
@@ -265,7 +259,7 @@ def test_upstream_options_reach_the_gateway_config(
         seen.append(cfg)
         raise _Served
 
-    monkeypatch.setattr("openforgerl.evaluate.serve_in_thread", serve)
+    monkeypatch.setattr("openforgerl.rollouts.service.serve_in_thread", serve)
     monkeypatch.setattr("openforgerl.gateway.server.serve", serve)
     upstream = ["--upstream", "judge=openai:gpt-4.1@http://127.0.0.1:9/v1"]
     upstream += ["--upstream-key-env", "judge=MY_KEY"]

@@ -30,7 +30,7 @@ from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.images import Image
 from openforgerl.rendering import VisionRenderer, renderer_for
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data
-from openforgerl.trajectory import Sample, build_samples, calls_from_json
+from openforgerl.rollouts.trajectory import Sample, build_samples, calls_from_json
 from openforgerl.vision import load_processor, vision_inputs
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 from tests.vlm_helpers import screenshot

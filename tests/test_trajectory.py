@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from openforgerl.store import CallRow
-from openforgerl.trajectory import (
+from openforgerl.rollouts.trajectory import (
     NO_VERSION,
     RecordedCall,
     Sample,
@@ -21,6 +20,7 @@ from openforgerl.trajectory import (
     calls_from_rows,
     token_stats,
 )
+from openforgerl.store import CallRow
 
 TURN_END = 2
 

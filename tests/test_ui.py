@@ -29,11 +29,12 @@ from starlette.testclient import TestClient
 from openforgerl.behaviour import main_conversation, of_conversation
 from openforgerl.cli import main as cli
 from openforgerl.gateway.server import GatewayConfig
-from openforgerl.runner import RolloutResult, RunState, Status
+from openforgerl.rollouts.results import RolloutResult, RunState, Status
+from openforgerl.rollouts.trajectory import calls_from_json
 from openforgerl.store.sqlite import SCHEMA, ids_to_blob
+from openforgerl.store.view import SORTS, VIEWER_INDEXES, Filters, StoreView, page_query
 from openforgerl.testing.gateway import free_port, gateway_thread
 from openforgerl.ui import ViewerConfig, build_app
-from openforgerl.ui.store import SORTS, VIEWER_INDEXES, Filters, StoreView, page_query
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout
 
 RUN = "train-demo"
@@ -108,7 +109,8 @@ def record_rollouts(model_dir: Path, store: Path) -> dict[str, str]:
         )
         verdict = {"outcome": "ok", "checks": {"mentions milk": True, "one line": True}}
         # As the runner does at close: how the rollout acted, read from its recorded conversation.
-        verdict["behaviour"] = of_conversation(main_conversation(calls_of(gw, ids["tools"])))
+        recorded = calls_from_json({"calls": calls_of(gw, ids["tools"])})
+        verdict["behaviour"] = of_conversation(main_conversation(recorded))
         _close(url, admin, ids["tools"], reward=1.0, details=verdict)
 
         # Anthropic dialect: a Bash tool turn, then the harness rewrites the history (a new branch).
@@ -351,9 +353,9 @@ def test_one_rollout_shows_turns_tools_verifier_and_branches(
     ids = run_dir[1]
     tools = api.get("/api/rollout", params={"run": RUN, "id": ids["tools"]}).json()
     first, second, side = tools["calls"]
-    assert [m["role"] for m in first["messages"]] == ["system", "user"]
+    assert [m["role"] for m in first["messages_delta"]] == ["system", "user"]
     assert first["response"]["tool_calls"][0]["function"]["name"] == "read_file"
-    assert [m["role"] for m in second["messages"]] == ["tool"] and second["reused_tokens"] > 0
+    assert [m["role"] for m in second["messages_delta"]] == ["tool"] and second["reused_prompt_tokens"] > 0
     assert side["side_request"] and tools["samples"][1]["why"].startswith("side request")
     assert tools["runner"]["details"]["verifier"]["passed"] == ["mentions milk"]
     assert tools["rollout"]["details"]["checks"]["one line"] is True

@@ -157,7 +157,7 @@ def test_the_rollout_api_names_each_messages_images(
     red, blue = recorded[1]["red"], recorded[1]["blue"]
     body = rollout(api, "r-gui")
     first, second = body["calls"]
-    system, task = first["messages"]
+    system, task = first["messages_delta"]
     assert "images" not in system
     assert task["content"] == "Buy the blue socks. Here is the screen."
     assert task["images"] == [
@@ -171,7 +171,7 @@ def test_the_rollout_api_names_each_messages_images(
             "size": len(red.data),
         }
     ]
-    tool = second["messages"][1]  # a tool result that is a screenshot alone
+    tool = second["messages_delta"][1]  # a tool result that is a screenshot alone
     assert tool["role"] == "tool" and tool["content"] == ""
     assert [(i["digest"], i["width"], i["height"]) for i in tool["images"]] == [(blue.digest, 640, 400)]
     assert first["image_digests"] == [red.digest]
@@ -228,7 +228,7 @@ def test_an_image_the_store_lost_is_marked_and_not_served(
         dst.execute("DELETE FROM images WHERE digest = ?", (recorded[1]["blue"].digest,))
         dst.commit()
     with TestClient(build_app(ViewerConfig(store=copy)), base_url="http://127.0.0.1") as client:
-        tool = rollout(client, "r-gui")["calls"][1]["messages"][1]
+        tool = rollout(client, "r-gui")["calls"][1]["messages_delta"][1]
         assert [(i["stored"], i["width"]) for i in tool["images"]] == [(False, None)]
         assert client.get(tool["images"][0]["url"]).status_code == 404
 
@@ -255,7 +255,7 @@ def test_a_store_from_before_images_still_opens(tmp_path: Path) -> None:
         build_app(ViewerConfig(store=tmp_path / "old.db")), base_url="http://127.0.0.1"
     ) as client:
         (call,) = rollout(client, "old", run="r")["calls"]
-        assert call["messages"] == [{"role": "user", "content": "hi"}] and call["image_digests"] == []
+        assert call["messages_delta"] == [{"role": "user", "content": "hi"}] and call["image_digests"] == []
         assert client.get(f"/api/images/{'a' * 64}", params={"run": "r"}).status_code == 404
 
 

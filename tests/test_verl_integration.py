@@ -45,9 +45,9 @@ from openforgerl.integrations.verl.launch import CONFIG_DIR, main_ppo_command
 from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rl.oracle_teacher import OracleTeacherEngine
 from openforgerl.rl.prompt_tools import text_reply
+from openforgerl.rollouts.trajectory import RecordedCall, build_samples
 from openforgerl.tasks import Task, load_tasks
 from openforgerl.tasks.suites.tools_tiny import verify_answer
-from openforgerl.trajectory import RecordedCall, build_samples
 
 TASKS = load_tasks("tools-tiny", split="train")[:2]
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)

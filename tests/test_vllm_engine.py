@@ -855,7 +855,7 @@ def untied_server(untied_model_dir: Path, work_dir: Path) -> Iterator[Server]:
 
 
 def _sample(prompt: list[int], r: GenerateResult, rollout_id: str) -> Any:
-    from openforgerl.trajectory import NO_VERSION, Sample
+    from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 
     n = len(r.completion_ids)
     return Sample(

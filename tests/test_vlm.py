@@ -23,8 +23,8 @@ from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.images import Image
 from openforgerl.rendering import ChatRenderer, TokenMemory, VisionRenderer, renderer_for
 from openforgerl.rl.trainer import Policy, Rollout, Trainer, TrainerConfig
+from openforgerl.rollouts.trajectory import RecordedCall, Sample, build_samples
 from openforgerl.testing.scripted_engine import ScriptedEngine
-from openforgerl.trajectory import RecordedCall, Sample, build_samples
 from openforgerl.vision import image_token_counts, load_processor, unsampleable_token_ids, vision_inputs
 from tests.test_sglang_engine import fake_server, until
 from tests.test_sglang_engine import run as run_sglang
@@ -386,7 +386,7 @@ def test_screenshots_through_the_gateway_train_on_the_pixels_the_engine_saw(
     (through the store's images) are the engine's."""
     from openai import OpenAI
 
-    from openforgerl.trajectory import calls_from_json
+    from openforgerl.rollouts.trajectory import calls_from_json
     from tests.gateway_helpers import new_rollout, running_gateway
 
     s1, s2 = screenshot(224, 140, 21), screenshot(224, 140, 22)

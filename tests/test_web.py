@@ -3,7 +3,7 @@ driving Debian's Chromium (marker `ui`, run by `make test-ui`).
 
 The plain tests solve every task of the suite over HTTP, through the sites' own forms (an oracle
 reading the pages as a browser would submit them), and check each verifier says 1 after and 0
-before. The browser tests run `openforgerl.gui_agent` inside local sandboxes through the runner,
+before. The browser tests run `openforgerl.harnesses.gui` inside local sandboxes through the runner,
 against a test-local OpenAI-compatible server whose policy is SCRIPTED: it reads the control
 positions that `--a11y` adds to each observation and clicks there. It is a test device, not a
 model: it shows that the harness, the browser, the sites and the verifiers work together, that
@@ -38,8 +38,10 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from openforgerl.evaluate import EvalOptions, harness_choice
-from openforgerl.gui_agent import History
-from openforgerl.runner import Runner, RunnerConfig, Status, gui_harness, python_binds
+from openforgerl.harnesses.gui import History
+from openforgerl.harnesses.launch import gui_harness, python_binds
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox import Limits, SandboxSpec
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task, load_tasks
@@ -410,7 +412,7 @@ def test_the_gui_harness_launch_and_eval_choice() -> None:
         return asyncio.run(gui_harness(python="py", **kw)(task, "http://gw/r/1", "key", sandbox)).argv
 
     got = argv(task)
-    assert got[:3] == ["py", "-m", "openforgerl.gui_agent"] and "--a11y" not in got
+    assert got[:3] == ["py", "-m", "openforgerl.harnesses.gui"] and "--a11y" not in got
     assert got[got.index("--site") + 1] == "shop" and got[got.index("--max-steps") + 1] == "15"
     got = argv(task, max_steps=50, a11y=True)
     assert got[got.index("--max-steps") + 1] == "50" and "--a11y" in got

@@ -22,7 +22,9 @@ import pytest
 from PIL import Image as PILImage
 
 from openforgerl.gateway.upstream import UpstreamSpec
-from openforgerl.runner import HarnessLaunch, Runner, RunnerConfig, Status
+from openforgerl.harnesses.launch import HarnessLaunch
+from openforgerl.rollouts.results import Status
+from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import (
     PythonVerifier,

@@ -24,7 +24,7 @@ import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 _EXIT = re.compile(
     r"(?:^|\n)\s*(?:exit code|command exited with code|exit code:|process exited with code)\s*:?\s*(-?\d+)",
@@ -147,24 +147,42 @@ def of_conversation(messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main_conversation(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation of a rollout's main thread, from the gateway's call records (GET
-    /admin/rollouts/{id}/calls): the path of parent calls ending at the last answered call that is
-    not a side request, each call's new messages followed by its answer."""
-    ok = [c for c in calls if c.get("status", "ok") == "ok" and not c.get("side_request")]
+class CallRecord(Protocol):
+    """What the main conversation is read from: a recorded call (openforgerl.rollouts.trajectory's
+    RecordedCall, as the gateway's GET /admin/rollouts/{id}/calls gives it)."""
+
+    @property
+    def call_id(self) -> int: ...
+    @property
+    def parent_call_id(self) -> int | None: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def side_request(self) -> str: ...
+    @property
+    def messages_delta(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def response(self) -> Mapping[str, Any]: ...
+
+
+def main_conversation(calls: Sequence[CallRecord]) -> list[dict[str, Any]]:
+    """The conversation of a rollout's main thread, from its recorded calls: the path of parent calls
+    ending at the last answered call that is not a side request, each call's new messages followed
+    by its answer."""
+    ok = [c for c in calls if c.status == "ok" and not c.side_request]
     if not ok:
         return []
-    by_id = {c["call_id"]: c for c in ok}
-    path: list[Mapping[str, Any]] = []
-    call: Mapping[str, Any] | None = ok[-1]
+    by_id = {c.call_id: c for c in ok}
+    path: list[CallRecord] = []
+    call: CallRecord | None = ok[-1]
     while call is not None:
         path.append(call)
-        call = by_id.get(call.get("parent_call_id"))
+        call = by_id.get(call.parent_call_id) if call.parent_call_id is not None else None
     messages: list[dict[str, Any]] = []
     for c in reversed(path):
-        messages += list(c.get("messages_delta") or [])
-        if c.get("response"):
-            messages.append(dict(c["response"]))
+        messages += [dict(m) for m in c.messages_delta]
+        if c.response:
+            messages.append(dict(c.response))
     return messages
 
 

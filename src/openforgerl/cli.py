@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from openforgerl.engines.base import PREFIX_CACHE_MB
-from openforgerl.harnesses import HARNESSES
+from openforgerl.harnesses.adapters import HARNESSES
 from openforgerl.modelkit.pretrained import PRETRAINED
 
 
@@ -322,7 +322,7 @@ def harness_install(name: str, cache: str | None) -> None:
     import time
     from pathlib import Path
 
-    from openforgerl.harnesses import HARNESSES, HarnessError, get
+    from openforgerl.harnesses.adapters import HARNESSES, HarnessError, get
 
     if name != "all" and name not in HARNESSES:
         raise click.BadParameter(f"one of {', '.join(HARNESSES)} or all", param_hint="NAME")
@@ -420,7 +420,7 @@ def doctor(
     import shutil
     from pathlib import Path
 
-    from openforgerl.harnesses import HARNESSES, get
+    from openforgerl.harnesses.adapters import HARNESSES, get
 
     click.echo(f"python   {platform.python_version()}")
     click.echo(f"node     {_tool_version(['node', '--version'])}")
@@ -507,7 +507,7 @@ _CLI_HARNESSES = list(HARNESSES)  # the agent CLI adapters, for the help texts
 
 def _harness_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
     """--harness: one name, or (for eval) several comma-separated, each a known harness."""
-    from openforgerl.launch import check_name
+    from openforgerl.harnesses.launch import check_name
 
     names = [n.strip() for n in value.split(",") if n.strip()]
     if not names:
@@ -640,8 +640,8 @@ def _eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -
 
 def _refusing_bad_network(run: Any, opts: Any) -> Any:
     """Live-site tasks without --network host: a usage error that names the option."""
-    from openforgerl.launch import HarnessNotInstalled
-    from openforgerl.runner import NetworkNotAllowed
+    from openforgerl.harnesses.launch import HarnessNotInstalled
+    from openforgerl.rollouts.runner import NetworkNotAllowed
 
     try:
         return run(opts)
@@ -994,7 +994,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             ),
         )
     from openforgerl.engines.base import EngineError
-    from openforgerl.launch import HarnessNotInstalled
+    from openforgerl.harnesses.launch import HarnessNotInstalled
 
     try:
         summary = train(opts, resume=resume)
@@ -1097,7 +1097,7 @@ def sft_cmd(
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
     kw["tuning"] = _tuning(kw)
     from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
-    from openforgerl.trajectory import Sample
+    from openforgerl.rollouts.trajectory import Sample
 
     if (data is None) == (teacher is None):
         raise click.UsageError("give exactly one of --data FILE.jsonl or --teacher oracle")
@@ -1111,7 +1111,7 @@ def sft_cmd(
         trainer = SFTTrainer(model_dir, SFTConfig(**kw), image_source=loaded.image_source)
         samples = list(loaded)
     else:
-        from openforgerl.launch import HarnessNotInstalled
+        from openforgerl.harnesses.launch import HarnessNotInstalled
         from openforgerl.rl.oracle_teacher import ORACLE_SUITES
 
         if tasks not in ORACLE_SUITES:

@@ -110,3 +110,17 @@ class Conversation:
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     stream: bool = False
     dialect: str = "openai"
+
+
+def side_request_reason(requested: dict[str, Any], rollout_uses_tools: bool) -> str:
+    """Why a call looks like a side request (title, router, memory extraction), '' if it does not;
+    `requested`: the call's recorded `sampling_requested` (what its Conversation asked for).
+
+    Harnesses send these through the same endpoint and key; training may include or skip them.
+    """
+    reasons = []
+    if requested.get("response_format"):
+        reasons.append("asks for structured output")
+    if rollout_uses_tools and not requested.get("tools"):
+        reasons.append("no tools while the rollout's conversation has them")
+    return "; ".join(reasons)

@@ -153,7 +153,7 @@ def evaluate_model(
 
 def run(cfg: DemoConfig) -> dict[str, Any]:
     """Run (or continue) every phase; returns the report (also written to the run folder)."""
-    from openforgerl.launch import HarnessChoice
+    from openforgerl.harnesses.launch import HarnessChoice
     from openforgerl.modelkit import init_model
     from openforgerl.rl.loop import TrainOptions, train
     from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples

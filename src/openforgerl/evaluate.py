@@ -8,7 +8,6 @@ use the host's network, which tasks on live web sites (WebVoyager, Online-Mind2W
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -21,28 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-from tqdm import tqdm
-
 from openforgerl import behaviour as acting
 from openforgerl.engines.base import Engine
 from openforgerl.eval_stats import by_tag, summarize
-from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.gateway.server import GatewayConfig
 from openforgerl.gateway.upstream import UpstreamSpec
-from openforgerl.launch import HarnessChoice, LaunchOptions
-from openforgerl.runner import (
-    OnFailure,
-    RolloutResult,
-    Runner,
-    RunnerConfig,
-    RunNetwork,
-    Status,
-    check_network,
-    python_binds,
-)
-from openforgerl.sandbox.local import LocalBackend
+from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
+from openforgerl.rollouts.results import RolloutResult, Status
+from openforgerl.rollouts.runner import OnFailure, RunNetwork
+from openforgerl.rollouts.service import RolloutJob, RolloutService, embedded
+from openforgerl.rollouts.trajectory import token_stats
 from openforgerl.tasks import Task, load_tasks
-from openforgerl.trajectory import build_samples, calls_from_json, token_stats
 
 
 @dataclass
@@ -74,14 +62,15 @@ class EvalOptions:
 
 
 @contextlib.contextmanager
-def _gateway(opts: EvalOptions, engine: Engine | None) -> Iterator[tuple[str, str]]:
+def _service(opts: EvalOptions, engine: Engine | None) -> Iterator[RolloutService]:
+    """The run's rollouts: on a running gateway (`opts.gateway`), or on one embedded for the run."""
     if opts.gateway:
         if opts.upstreams:
             raise ValueError(
                 "--upstream configures the embedded gateway; a running gateway (--gateway) serves its "
                 "own upstreams (openforge gateway --upstream ...)"
             )
-        yield opts.gateway.rstrip("/"), opts.admin_token
+        yield RolloutService(opts.gateway, opts.admin_token)
         return
     if not opts.model:
         raise ValueError("give --model DIR (served by an embedded gateway) or --gateway URL")
@@ -94,8 +83,8 @@ def _gateway(opts: EvalOptions, engine: Engine | None) -> Iterator[tuple[str, st
         upstreams=list(opts.upstreams),
         engine_threads=opts.engine_threads or max(1, (os.cpu_count() or 2) // 2),
     )
-    with serve_in_thread(cfg, engine) as gw:
-        yield gw.url, gw.gateway.admin_token
+    with embedded(cfg, engine) as service:
+        yield service
 
 
 def _select(opts: EvalOptions) -> list[Task]:
@@ -103,79 +92,38 @@ def _select(opts: EvalOptions) -> list[Task]:
     return tasks[: opts.limit] if opts.limit else tasks
 
 
-Recorded = dict[str, Any]  # gateway rollout id -> the JSON of its recorded calls
-
-
 def run_rollouts(
     opts: EvalOptions, engine: Engine | None = None, tasks: list[Task] | None = None
-) -> tuple[list[RolloutResult], Recorded]:
-    """Run every selected task (`tasks`, when the caller has them already) n times; returns the
-    results and what the gateway recorded."""
-    harness = harness_choice(opts)
+) -> list[RolloutResult]:
+    """Run every selected task (`tasks`, when the caller has them already) n times: one result per
+    rollout, with what the gateway recorded (rollouts/service.py)."""
     tasks = _select(opts) if tasks is None else tasks
-    check_network(tasks, opts.network)  # before the gateway loads a model
-    harness.check(tasks)
-    n = opts.n or opts.k
+    job = RolloutJob(
+        harness_choice(opts),
+        run_id=opts.run_id or opts.out.name,
+        state_path=opts.out / "runner.db",
+        concurrency=opts.concurrency,
+        on_failure=opts.on_failure,
+        seed=opts.seed,
+        network=opts.network,
+    )
+    job.check(tasks)  # before the gateway loads a model
     opts.out.mkdir(parents=True, exist_ok=True)
-    run_id = opts.run_id or opts.out.name
-    with _gateway(opts, engine) as (url, token):
-        cfg = RunnerConfig(
-            gateway_url=url,
-            admin_token=token,
-            run_id=run_id,
-            state_path=opts.out / "runner.db",
-            concurrency=opts.concurrency,
-            on_failure=opts.on_failure,
-            network=opts.network,
-            seed=opts.seed,
-            ro_binds=[*python_binds(), *harness.ro_binds(tasks)],
-        )
-        bar = tqdm(total=len(tasks) * n, desc="rollouts", unit="rollout", disable=not opts.progress)
-
-        def done(r: RolloutResult) -> None:
-            bar.update(1)
-            bar.set_postfix_str(f"last {r.task_id}: {r.outcome or r.status.value} reward={r.reward}")
-
-        async def go() -> list[RolloutResult]:
-            runner = Runner(cfg, LocalBackend(), harness)
-            try:
-                return await runner.run(tasks, n, on_done=done)
-            finally:
-                await runner.close()
-
-        try:
-            results = asyncio.run(go())
-        finally:
-            bar.close()
-        recorded = _recorded(url, token, results)
-    return results, recorded
+    with _service(opts, engine) as service:
+        return service.run(tasks, opts.n or opts.k, job, progress=opts.progress)
 
 
 def harness_choice(opts: EvalOptions) -> HarnessChoice:
-    """The run's harnesses (launch.py): `opts.harness` for tasks that name none of their own."""
+    """The run's harnesses (harnesses/launch.py): `opts.harness` for tasks that name none of their own."""
     launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
     return HarnessChoice(opts.harness, launch)
-
-
-def _recorded(url: str, token: str, results: list[RolloutResult]) -> dict[str, Any]:
-    """Each rollout's calls from the gateway (for tokens, trajectories and merge statistics)."""
-    out = {}
-    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=120) as client:
-        for r in results:
-            if r.calls is not None:  # read by the runner at close
-                out[r.gateway_rollout_id] = r.calls
-            elif r.gateway_rollout_id:
-                resp = client.get(f"/admin/rollouts/{r.gateway_rollout_id}/calls")
-                if resp.status_code == 200:
-                    out[r.gateway_rollout_id] = resp.json()
-    return out
 
 
 def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     """pass@k, pass^k and mean reward (95% CI) over n >= k runs per task; writes report.json/.md."""
     t0 = time.monotonic()
     tasks = _select(opts)
-    results, recorded = run_rollouts(opts, engine, tasks)
+    results = run_rollouts(opts, engine, tasks)
     scored = [r for r in results if r.status == Status.DONE and r.reward is not None]
     runs: dict[str, list[float]] = collections.defaultdict(list)
     for r in scored:
@@ -183,7 +131,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     k = opts.k
     complete = {t: v for t, v in runs.items() if len(v) >= k}
     summary = summarize(complete, ks=tuple(range(1, k + 1))) if complete else None
-    calls = [c for payload in recorded.values() for c in calls_from_json(payload)]
+    calls = [c for r in results for c in r.calls or ()]
     stats = token_stats(calls) if calls else None
     choice = harness_choice(opts)
     report: dict[str, Any] = {
@@ -207,7 +155,7 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
             "completion": sum(len(c.completion_ids) for c in calls),
             "training": stats.as_dict() if stats else None,
         },
-        "behaviour": behaviour(results, recorded),
+        "behaviour": behaviour(results),
         # Tool errors met, recoveries, give-ups, self-verification (openforgerl.behaviour).
         "acting": acting_summary(results, tasks),
         "seconds": round(time.monotonic() - t0, 1),
@@ -236,15 +184,14 @@ def acting_summary(results: list[RolloutResult], tasks: list[Task]) -> dict[str,
     }
 
 
-def behaviour(results: list[RolloutResult], recorded: Recorded) -> dict[str, float]:
+def behaviour(results: list[RolloutResult]) -> dict[str, float]:
     """How the policy acted inside its harness, per rollout (medians and means over those recorded):
     model calls of the main conversation (turns), side requests, branches, tokens."""
     per: list[dict[str, float]] = []
     for r in results:
-        payload = recorded.get(r.gateway_rollout_id)
-        if payload is None:
+        if r.calls is None:
             continue
-        calls = calls_from_json(payload)
+        calls = r.calls
         main = [c for c in calls if not c.side_request]
         per.append(
             {
@@ -328,15 +275,14 @@ def study_markdown(study: dict[str, Any]) -> str:
 
 def run_and_write_trajectories(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     """`openforge rollout`: run the tasks and write the training samples they produced (JSONL)."""
-    results, recorded = run_rollouts(opts, engine)
+    results = run_rollouts(opts, engine)
     path = opts.out / "samples.jsonl"
     n_samples = 0
     with path.open("w") as f:
         for r in results:
-            if r.status != Status.DONE or r.gateway_rollout_id not in recorded:
+            if r.status != Status.DONE:
                 continue
-            calls = calls_from_json(recorded[r.gateway_rollout_id])
-            for s in build_samples(calls, float(r.reward or 0.0)):
+            for s in r.samples:
                 row = {"task_id": r.task_id, "sample": r.sample, **dataclasses.asdict(s)}
                 f.write(json.dumps(row) + "\n")
                 n_samples += 1

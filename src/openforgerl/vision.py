@@ -1,9 +1,10 @@
 """Vision-language models: the processor, pixel inputs and 3-D rope positions, shared by engine and trainer.
 
 The engine and the trainer must feed a model the same pixels for the same image, or the trainer's
-recomputed logprobs drift from the ones the engine sampled with. Both therefore load the processor
-with `load_processor` and compute pixel inputs with `vision_inputs`, and position ids with
-`rope_positions`.
+recomputed logprobs drift from the ones the engine sampled with. Both therefore load the model with
+`load_model` and the processor with `load_processor`, compute a sequence's pixel inputs with
+`checked_vision_inputs` (`vision_inputs`, checked against its placeholders), position ids with
+`rope_positions`, and mask the ids no policy emits with `mask_unsampleable`.
 
 `load_processor` builds the processor from the tokenizer and the image processor's PIL backend
 rather than with AutoProcessor: transformers' AutoProcessor (for the video processor) and
@@ -61,12 +62,29 @@ def unsampleable_token_ids(model: Any) -> list[int]:
     return sorted(ids)
 
 
+def mask_unsampleable(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`logits` with the `ids` no policy may emit (`unsampleable_token_ids`, as a tensor) set to
+    NEVER_SAMPLED along the last axis; `logits` itself when there are none."""
+    if not len(ids):
+        return logits
+    return logits.index_fill(-1, ids.to(logits.device), NEVER_SAMPLED)
+
+
 def is_vision_model(model_dir: str | Path) -> bool:
     """Whether the directory holds a vision-language model (its config has a vision tower)."""
     config = Path(model_dir) / "config.json"
     if not config.is_file():
         return False
     return "vision_config" in json.loads(config.read_text())
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32) -> Any:
+    """The model of `model_dir`: AutoModelForImageTextToText for a vision-language model, else
+    AutoModelForCausalLM (the engine and the trainer load the same class)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto: Any = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+    return auto.from_pretrained(model_dir, dtype=dtype)
 
 
 def _image_processor(model_dir: Path) -> Any:
@@ -126,6 +144,16 @@ def check_placeholders(processor: VisionProcessor, ids: Sequence[int], counts: S
         raise ValueError(
             f"the prompt's image placeholder runs {runs} do not match its images' token counts {list(counts)}"
         )
+
+
+def checked_vision_inputs(
+    processor: VisionProcessor, ids: Sequence[int], images: Sequence[Image]
+) -> dict[str, torch.Tensor] | None:
+    """The `vision_inputs` of a sequence's `images` (None when it has none), after checking that `ids`
+    hold one placeholder run of each image's size, in order (ValueError otherwise)."""
+    out = vision_inputs(processor, images) if images else None
+    check_placeholders(processor, ids, image_token_counts(processor, out["image_grid_thw"]) if out else [])
+    return out
 
 
 def rope_positions(

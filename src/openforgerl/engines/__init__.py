@@ -1,4 +1,5 @@
-"""Inference engines behind one protocol (see `base.Engine`)."""
+"""Inference engines behind one protocol (see `base.Engine`): the built-in one in this process
+(`transformers_engine`) and the servers reached by HTTP (`vllm`, `sglang`, both on `http.HTTPEngine`)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from openforgerl.images import Image
 
 FinishReason = Literal["stop", "length", "abort"]
+# A server's finish reason by name (vLLM's and SGLang's use these); any other is recorded as "abort".
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 PREFIX_CACHE_MB = 512.0  # the built-in engine's prefix cache unless told otherwise
 
 
@@ -86,14 +88,39 @@ class ContextLengthExceeded(EngineError, ValueError):
         self.max_context = max_context
 
 
+def completion_room(prompt_tokens: int, max_tokens: int, max_context: int, reserve: int = 0) -> int:
+    """`max_tokens` clamped to the room a prompt of `prompt_tokens` leaves in a context of
+    `max_context` tokens (less `reserve`, tokens a server keeps free besides); ContextLengthExceeded
+    when not even one completion token fits."""
+    room = max_context - prompt_tokens - reserve
+    if room < 1:
+        raise ContextLengthExceeded(prompt_tokens, max_context)
+    return min(max_tokens, room)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """generate(prompt_ids, sampling) -> completion ids, logprobs, finish reason, policy version.
 
     Cancelling the awaiting task aborts the generation (a client disconnected).
+
+    Besides generating, an engine tells the gateway what it can take: `max_context` (the gateway
+    clamps max_tokens to the room a prompt leaves) and `supports_response_format`.
     """
 
     name: str
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's context length in tokens (prompt + completion); None while unknown (a server
+        engine that has not learnt it yet), when the gateway's own limit applies."""
+        ...
+
+    @property
+    def supports_response_format(self) -> bool:
+        """Whether `SamplingParams.response_format` constrains decoding (structured output); the
+        others ignore it, and the gateway records the format as asked but not honoured."""
+        ...
 
     @property
     def policy_version(self) -> int: ...

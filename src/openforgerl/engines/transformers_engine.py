@@ -2,9 +2,9 @@
 
 Vision-language models (a directory whose config has a vision tower, e.g. Qwen2-VL) load with
 AutoModelForImageTextToText and take images: their pixel inputs are computed by
-`openforgerl.vision.vision_inputs` (the trainer uses the same function), prefilled with the prompt,
-and positions are the model's 3-D M-RoPE ids; during decode each row continues from its own rope
-delta, so image and text requests share the continuous batch.
+`openforgerl.vision.checked_vision_inputs` (the trainer uses the same function), prefilled with the
+prompt, and positions are the model's 3-D M-RoPE ids; during decode each row continues from its own
+rope delta, so image and text requests share the continuous batch.
 
 All torch work runs on a single worker thread, so the event loop never blocks and torch's intra-op
 pool (torch.get_num_threads()) is used by one caller at a time. Requests wait in a queue; at every
@@ -47,8 +47,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
     AutoTokenizer,
     DynamicCache,
 )
@@ -56,27 +54,26 @@ from transformers.cache_utils import DynamicLayer
 
 from openforgerl.engines.base import (
     PREFIX_CACHE_MB,
-    ContextLengthExceeded,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
     FinishReason,
     GenerateResult,
     SamplingParams,
+    completion_room,
 )
 from openforgerl.engines.prefix_cache import KV, PrefixCache
 from openforgerl.images import Image
 from openforgerl.rendering import generation_eos_ids
 from openforgerl.vision import (
-    NEVER_SAMPLED,
     VisionProcessor,
-    check_placeholders,
-    image_token_counts,
+    checked_vision_inputs,
     is_vision_model,
+    load_model,
     load_processor,
+    mask_unsampleable,
     rope_positions,
     unsampleable_token_ids,
-    vision_inputs,
 )
 
 # Prompt tokens per prefill pass, summed over the batch's rows (each row gets at least
@@ -198,6 +195,7 @@ class TransformersEngine:
     """
 
     name = "transformers"
+    supports_response_format = False  # samples freely: no constrained decoding
 
     def __init__(
         self,
@@ -240,7 +238,7 @@ class TransformersEngine:
             self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(self.model_dir)
         )
         text_config = self.config.get_text_config()
-        self._max_context = max_context or int(text_config.max_position_embeddings)
+        self.max_context: int = max_context or int(text_config.max_position_embeddings)
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = self._find_eos_ids()
 
@@ -280,10 +278,6 @@ class TransformersEngine:
         return frozenset([eos] if isinstance(eos, int) else eos)
 
     @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
     def policy_version(self) -> int:
         return self._version
 
@@ -308,9 +302,7 @@ class TransformersEngine:
         self._thread.start()
 
     def _load_model(self) -> Any:
-        auto: Any = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
-        model: Any = auto.from_pretrained(self.model_dir, dtype=self.dtype)
-        return model.to(self.device).eval()
+        return load_model(self.model_dir, self.dtype).to(self.device).eval()
 
     async def close(self) -> None:
         """Stop the worker; running and queued requests end with finish_reason "abort"."""
@@ -342,9 +334,7 @@ class TransformersEngine:
         vision = await self._vision_inputs(prompt_ids, images) if self.processor else None
         if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1 or sampling.max_tokens < 1:
             raise EngineError(f"invalid sampling parameters: {sampling}")
-        room = self._max_context - len(prompt_ids)
-        if room < 1:
-            raise ContextLengthExceeded(len(prompt_ids), self._max_context)
+        max_tokens = completion_room(len(prompt_ids), sampling.max_tokens, self.max_context)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -352,7 +342,7 @@ class TransformersEngine:
         req = _Request(
             prompt_ids=list(prompt_ids),
             sampling=sampling,
-            max_tokens=min(sampling.max_tokens, room),
+            max_tokens=max_tokens,
             loop=loop,
             future=loop.create_future(),
             generator=generator,
@@ -379,16 +369,10 @@ class TransformersEngine:
     ) -> dict[str, torch.Tensor] | None:
         """The images' pixel inputs (off the event loop), checked against the prompt's placeholders."""
         assert self.processor is not None
-        counts: list[int] = []
-        out = None
-        if images:
-            out = await asyncio.to_thread(vision_inputs, self.processor, images)
-            counts = image_token_counts(self.processor, out["image_grid_thw"])
         try:
-            check_placeholders(self.processor, prompt_ids, counts)
+            return await asyncio.to_thread(checked_vision_inputs, self.processor, prompt_ids, images)
         except ValueError as e:
             raise EngineError(str(e)) from None
-        return out
 
     async def load_weights(self, path: str) -> int:
         """Copy a save_pretrained checkpoint's weights into the model once no row is mid-generation.
@@ -682,8 +666,7 @@ class TransformersEngine:
     def _sample(self, rows: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Sample each row's next id; logprobs are under logits / T (raw logits when T == 0)."""
         logits = logits.float()
-        if len(self._unsampleable):  # processor-only tokens (image placeholders): never sampled
-            logits = logits.index_fill(-1, self._unsampleable.to(logits.device), NEVER_SAMPLED)
+        logits = mask_unsampleable(logits, self._unsampleable)  # processor-only tokens: never sampled
         temps = torch.tensor([r.sampling.temperature or 1.0 for r in rows], device=logits.device)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)
         ids = logp.argmax(-1)

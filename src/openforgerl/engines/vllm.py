@@ -60,25 +60,21 @@ import re
 import shutil
 import struct
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 from urllib.parse import urlsplit
 
-import httpx
 import orjson
 
 from openforgerl.engines.base import (
+    FINISH_REASONS,
     ContextLengthExceeded,
     EngineError,
-    EngineOverloaded,
-    EngineUnavailable,
-    FinishReason,
     GenerateResult,
     SamplingParams,
-    policy_version_end,
 )
+from openforgerl.engines.http import HTTPEngine, HTTPEngineOptions, error_message
 from openforgerl.images import Image
 
 logger = logging.getLogger(__name__)
@@ -88,37 +84,6 @@ _CONTEXT_ERRORS = (
     re.compile(r"maximum context length is (?P<max>\d+) tokens.*?prompt contains (?:at least )?(?P<n>\d+)"),
     re.compile(r"Input length \((?P<n>\d+)\) exceeds model's maximum context length \((?P<max>\d+)\)"),
 )
-
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def _retry_after(response: httpx.Response, default: float = 1.0) -> float:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return default
-    try:
-        return max(0.0, float(value))
-    except ValueError:  # an HTTP date: not worth parsing, the default is as good a hint
-        return default
-
-
-def _error_message(response: httpx.Response) -> str:
-    """vLLM's error body is {"error": {"message": ...}} (older: {"message": ...}); fall back to text."""
-    try:
-        body = orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(err, str):
-            return err
-        if isinstance(body.get("message"), str):
-            return body["message"]
-        if isinstance(body.get("detail"), str):
-            return body["detail"]
-    return response.text[:500]
 
 
 def _context_error(message: str) -> ContextLengthExceeded | None:
@@ -235,93 +200,47 @@ def tied_head_view(path: str | Path) -> Path | None:
     return view
 
 
-class VLLMEngine:
+class VLLMEngine(HTTPEngine):
     """Engine over a running vLLM OpenAI-compatible server (`vllm serve`, or its api_server module).
 
-    Args:
+    Args (and HTTPEngine's: api_key, request_timeout, start_timeout, policy_version, client):
         base_url: the server's root, e.g. "http://127.0.0.1:8000" (no "/v1").
         model: the served model name; discovered from `GET /v1/models` when None.
         max_context: the server's context length (`--max-model-len`); read from `GET /v1/models` when
             None. `max_tokens` is clamped to the room the prompt leaves, as the built-in engine does,
             and a prompt that leaves none raises ContextLengthExceeded without a round trip.
-        api_key: sent as a bearer token when the server was started with `--api-key`.
-        request_timeout: seconds one generation may take before the engine is deemed unavailable.
-        start_timeout: seconds `start()` waits for `GET /health` to answer 200.
-        policy_version: the version of the weights the server starts with.
         extra_body: extra fields merged into every completion request (e.g. {"top_k": 50}); they change
             the sampling distribution, so set only what the recorded data should reflect.
         check_weights_path: check `load_weights` paths on this machine; None = only when the server's
             address is a loopback one (its filesystem is then this machine's).
-        client: an httpx.AsyncClient to use instead of one owned by the engine (it is not closed).
     """
 
     name = "vllm"
-    supports_response_format = True
+    label = "vLLM"
+    generate_path = "/v1/completions"
+    supports_response_format = True  # vLLM's structured outputs
 
     def __init__(
         self,
         base_url: str,
         *,
         model: str | None = None,
-        max_context: int | None = None,
-        api_key: str | None = None,
-        request_timeout: float = 600.0,
-        start_timeout: float = 240.0,
-        policy_version: int = 0,
         extra_body: Mapping[str, Any] | None = None,
         check_weights_path: bool | None = None,
-        client: httpx.AsyncClient | None = None,
+        **options: Unpack[HTTPEngineOptions],
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, **options)
         self.model = model
-        self.max_context = max_context
-        self.start_timeout = start_timeout
         self.extra_body = dict(extra_body or {})
         self.check_weights_path = (
             _is_local(self.base_url) if check_weights_path is None else check_weights_path
         )
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._owns_client = client is None
-        # No connection-pool cap: the gateway bounds concurrency; vLLM batches whatever it gets.
-        self._client = client or httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(request_timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
-        self._version = policy_version
         self._cpu_server: bool | None = None  # learnt from /server_info on the first reload
         self._warned_tied_head = False
         self._diagnosis: asyncio.Task[None] | None = None
-        self._reloading = 0  # reloads in flight: a generation overlapping one is marked in `extra`
-        self._reload_lock = asyncio.Lock()
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    def _url(self, path: str) -> str:
-        # A caller-supplied client may have no base_url.
-        return f"{self.base_url}{path}"
-
-    async def start(self) -> None:
-        """Wait until the server answers `/health`, then learn the served model name if not given."""
-        deadline = time.monotonic() + self.start_timeout
-        last = "no answer yet"
-        while True:
-            try:
-                r = await self._client.get(self._url("/health"), timeout=5.0)
-                if r.status_code == 200:
-                    break
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}"
-            if time.monotonic() >= deadline:
-                raise EngineUnavailable(
-                    f"vLLM server at {self.base_url} was not healthy within {self.start_timeout:.0f} s "
-                    f"(last: {last}); is it running, and has it finished loading the model?"
-                )
-            await asyncio.sleep(0.5)
+    async def _on_healthy(self) -> None:
+        """Learn the served model name and context length from `/v1/models` where not given."""
         if self.model is None or self.max_context is None:
             await self._discover_model()
 
@@ -335,28 +254,8 @@ class VLLMEngine:
         if self.max_context is None and isinstance(entry.get("max_model_len"), int):
             self.max_context = entry["max_model_len"]
 
-    async def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """One HTTP call; transport failures (refused, reset, timed out) mean the server is unavailable."""
-        try:
-            return await self._client.request(method, self._url(path), **kw)
-        except httpx.TransportError as e:  # refused, reset, timed out, broken protocol
-            raise EngineUnavailable(f"vLLM at {self.base_url}: {type(e).__name__}: {e}") from e
-
-    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """One HTTP call with vLLM's error statuses mapped onto the engine errors."""
-        r = await self._send(method, path, **kw)
-        if r.status_code < 400:
-            return r
-        msg = f"vLLM {method} {path} -> HTTP {r.status_code}: {_error_message(r)}"
-        if r.status_code == 429:
-            raise EngineOverloaded(msg, retry_after=_retry_after(r))
-        if r.status_code >= 500:
-            # vLLM answers 500 when its engine core has died and 503 while it is not ready.
-            raise EngineUnavailable(msg, retry_after=_retry_after(r))
-        too_long = _context_error(msg) if r.status_code == 400 else None
-        if too_long is not None:
-            raise too_long
-        raise EngineError(msg)
+    def _bad_request(self, message: str) -> EngineError | None:
+        return _context_error(message)
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
@@ -370,16 +269,16 @@ class VLLMEngine:
             )
         if self.model is None:
             await self._discover_model()
-        max_tokens = sampling.max_tokens
-        if self.max_context is not None:
-            room = self.max_context - len(prompt_ids)
-            if room <= 0:
-                raise ContextLengthExceeded(len(prompt_ids), self.max_context)
-            max_tokens = min(max_tokens, room)
+        return await super().generate(prompt_ids, sampling)
+
+    def request_body(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+    ) -> dict[str, Any]:
+        """The `/v1/completions` body for one generation (`generate` refuses images before this)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
-            "max_tokens": max_tokens,
+            "max_tokens": self._room(prompt_ids, sampling.max_tokens),
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "logprobs": 0,
@@ -396,44 +295,10 @@ class VLLMEngine:
         if sampling.response_format is not None:
             body["response_format"] = sampling.response_format  # vLLM's structured outputs
         body.update(self.extra_body)
+        return body
 
-        version, reloading = self._version, self._reloading
-        # Cancelling this await closes the connection; vLLM aborts the request on the disconnect.
-        r = await self._request(
-            "POST",
-            "/v1/completions",
-            content=orjson.dumps(body),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            choice = orjson.loads(r.content)["choices"][0]
-            ids: list[int] = choice["token_ids"]
-            logprobs: list[float | None] = (choice.get("logprobs") or {}).get("token_logprobs") or []
-            raw_finish = choice.get("finish_reason")
-            stop_reason = choice.get("stop_reason")
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-            raise EngineError(f"vLLM returned an unexpected completion body: {r.text[:300]}") from e
-        if ids is None:
-            raise EngineError("vLLM returned no token_ids (a vLLM too old for `return_token_ids`?)")
-        if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
-            raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} token ids")
-        finish = _FINISH.get(raw_finish or "", "abort")
-        if finish == "stop" and stop_reason is None and ids:
-            # vLLM's stop on EOS: the EOS id is the last sampled id (and its stop_reason is null).
-            stop_reason = ids[-1]
-        extra: dict[str, object] = {}
-        if raw_finish not in _FINISH:
-            extra["vllm_finish_reason"] = raw_finish
-        if (end := policy_version_end(version, reloading, self._version, self._reloading)) is not None:
-            extra["policy_version_end"] = end
-        return GenerateResult(
-            completion_ids=ids,
-            logprobs=[float(lp) for lp in logprobs if lp is not None],
-            finish_reason=finish,
-            policy_version=version,
-            stop_reason=stop_reason,
-            extra=extra,
-        )
+    def parse_response(self, content: bytes, policy_version: int) -> GenerateResult:
+        return parse_completion_response(content, policy_version)
 
     async def load_weights(self, path: str) -> int:
         """Reload the server's weights from `path` (a directory on the server's filesystem).
@@ -443,34 +308,33 @@ class VLLMEngine:
         """
         if self.check_weights_path:
             check_weights_dir(path)
-        async with self._reload_lock:
-            self._reloading += 1
-            # A tied LM head needs its tensor named to be refreshed (module docstring); only when the
-            # server reads this machine's files.
-            view: Path | None = None
-            try:
-                if self.check_weights_path:
-                    view = await asyncio.to_thread(tied_head_view, path)
-                source = os.fspath(view or path)
-                body = {"method": "reload_weights", "kwargs": {"weights_path": source}}
-                r = await self._send("POST", "/collective_rpc", json=body)
-                if r.status_code == 404:
-                    raise EngineError(
-                        f"vLLM at {self.base_url} serves no /collective_rpc: start it with "
-                        "VLLM_SERVER_DEV_MODE=1"
-                    )
-                if r.status_code >= 400:
-                    # The server answered, so the reload itself failed (a 5xx here may mean it is dying).
-                    raise EngineError(f"vLLM failed to reload weights from {path!r}: {_error_message(r)}")
-                self._version += 1
-                await self._reset_prefix_cache()
-                if view is None:
-                    self._check_tied_head(path)
-            finally:
-                self._reloading -= 1
-                if view is not None:  # vLLM read the weights during the call
-                    shutil.rmtree(view, ignore_errors=True)
-        return self._version
+        return await super().load_weights(path)
+
+    async def _update_weights(self, path: str) -> None:
+        # A tied LM head needs its tensor named to be refreshed (module docstring); only when the
+        # server reads this machine's files.
+        view: Path | None = None
+        try:
+            if self.check_weights_path:
+                view = await asyncio.to_thread(tied_head_view, path)
+            source = os.fspath(view or path)
+            body = {"method": "reload_weights", "kwargs": {"weights_path": source}}
+            r = await self._send("POST", "/collective_rpc", json=body)
+            if r.status_code == 404:
+                raise EngineError(
+                    f"vLLM at {self.base_url} serves no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1"
+                )
+            if r.status_code >= 400:
+                # The server answered, so the reload itself failed (a 5xx here may mean it is dying).
+                raise EngineError(f"vLLM failed to reload weights from {path!r}: {error_message(r)}")
+        finally:
+            if view is not None:  # vLLM read the weights during the call
+                shutil.rmtree(view, ignore_errors=True)
+        if view is None:
+            self._check_tied_head(path)
+
+    async def _after_update(self) -> None:
+        await self._reset_prefix_cache()
 
     def _check_tied_head(self, path: str) -> None:
         """Warn (once) when this reload hits vLLM CPU's stale tied LM head without the way around it
@@ -529,5 +393,36 @@ class VLLMEngine:
             self._diagnosis.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._diagnosis
-        if self._owns_client:
-            await self._client.aclose()
+        await super().close()
+
+
+def parse_completion_response(content: bytes, policy_version: int) -> GenerateResult:
+    """Map one non-streaming `/v1/completions` answer (with `return_token_ids`) onto a GenerateResult."""
+    try:
+        choice = orjson.loads(content)["choices"][0]
+        ids: list[int] = choice["token_ids"]
+        logprobs: list[float | None] = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        raw_finish = choice.get("finish_reason")
+        stop_reason = choice.get("stop_reason")
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        text = content[:300].decode(errors="replace")
+        raise EngineError(f"vLLM returned an unexpected completion body: {text}") from e
+    if ids is None:
+        raise EngineError("vLLM returned no token_ids (a vLLM too old for `return_token_ids`?)")
+    if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
+        raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(ids)} token ids")
+    finish = FINISH_REASONS.get(raw_finish or "", "abort")
+    if finish == "stop" and stop_reason is None and ids:
+        # vLLM's stop on EOS: the EOS id is the last sampled id (and its stop_reason is null).
+        stop_reason = ids[-1]
+    extra: dict[str, object] = {}
+    if raw_finish not in FINISH_REASONS:
+        extra["vllm_finish_reason"] = raw_finish
+    return GenerateResult(
+        completion_ids=ids,
+        logprobs=[float(lp) for lp in logprobs if lp is not None],
+        finish_reason=finish,
+        policy_version=policy_version,
+        stop_reason=stop_reason,
+        extra=extra,
+    )

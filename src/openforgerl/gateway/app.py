@@ -13,29 +13,36 @@ import asyncio
 import hmac
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from email import policy
 from email.parser import BytesParser
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from openforgerl import jsonutil
-from openforgerl.conversation import Conversation
 from openforgerl.engines.base import EngineError, EngineUnavailable
-from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Session
-from openforgerl.gateway.dialects import Dialect, default_dialects
-from openforgerl.gateway.errors import GatewayError, bad_request, images_refused, load_image, unauthorized
-from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
-from openforgerl.images import Image, digest_of_file_id, file_id, file_ids_in, image_from_bytes
-from openforgerl.trajectory import side_request_reason
+from openforgerl.gateway.core import GatewayCore, Session
+from openforgerl.gateway.dialects.anthropic import AnthropicMessages
+from openforgerl.gateway.dialects.gemini import Gemini
+from openforgerl.gateway.dialects.openai_chat import OpenAIChat
+from openforgerl.gateway.dialects.responses import OpenAIResponses
+from openforgerl.gateway.errors import GatewayError, bad_request, load_image, unauthorized
+from openforgerl.gateway.http import JSONResponse, api_key_of, read_body
+from openforgerl.gateway.routes import Routes
+from openforgerl.gateway.serving import Dialect
+from openforgerl.images import Image, digest_of_file_id, file_id, image_from_bytes
+from openforgerl.store import public_calls
 
-_T = TypeVar("_T")
+
+def default_dialects() -> list[Dialect]:
+    """Every dialect; the first answers errors on the paths no other one owns."""
+    return [OpenAIChat(), OpenAIResponses(), Gemini(), AnthropicMessages()]
 
 
 class Gateway:
@@ -56,87 +63,14 @@ class Gateway:
         self.admin_token = admin_token
         self.public_url = public_url.rstrip("/")
         self.max_body = max_body
-
-    # -- helpers --------------------------------------------------------------------------
-    async def session(self, request: HTTPConnection) -> Session:
-        key = api_key_of(request)
-        if key is None:
-            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'.")
-        session = await self.core.session_for_key(key)
-        if session is None:
-            raise unauthorized()
-        prefix = request.path_params.get("rollout_id")
-        if prefix is not None and prefix != session.rollout.id:
-            raise unauthorized("The API key does not belong to the rollout in the URL.")
-        if session.rollout.status != "open":
-            raise GatewayError(
-                403, f"Rollout {session.rollout.id} is {session.rollout.status}.", kind="permission"
-            )
-        return session
+        # Each dialect's routes, answered by one skeleton.
+        self.dialect_routes = Routes(core, max_body)
 
     def _check_admin(self, request: Request) -> None:
         # Never from the URL: query strings end up in access logs and proxies' records.
         key = api_key_of(request, in_query=False) or ""
         if not hmac.compare_digest(key.encode(), self.admin_token.encode()):
             raise unauthorized("This endpoint needs the gateway's admin token.")
-
-    # -- what every dialect's handlers use ------------------------------------------------
-    async def files_in(self, session: Session, body: bytes) -> dict[str, Image]:
-        """The images this rollout uploaded that a request body names, by file id (read before it is
-        parsed, so the parse reads no store; an id that is not there is the parse's 400)."""
-        ids = file_ids_in(body)
-        if not ids:
-            return {}
-        digests = [d for i in ids if (d := digest_of_file_id(i))]
-        found = await self.core.store.uploads(session.rollout.id, digests)
-        return {file_id(d): im for d, (im, _) in found.items()}
-
-    async def parse(
-        self, session: Session, body: bytes, parse: Callable[[bytes, Mapping[str, Image]], _T]
-    ) -> _T:
-        """`parse(body, files)` on a worker thread: JSON, validation and image decoding off the event
-        loop; an image for a model that takes none is refused before it is decoded."""
-        files = await self.files_in(session, body)
-        refused = self.core.images_refused(session)
-
-        def run() -> _T:
-            images_refused.set(refused)  # in the worker's own copy of the context
-            return parse(body, files)
-
-        return await self.core.workers.run(run)
-
-    async def open_call(
-        self, request: Request, parse: Callable[[bytes, Mapping[str, Image]], Conversation]
-    ) -> PreparedCall:
-        """Authenticate, read and translate the body, and prepare the call (raises GatewayError)."""
-        session = await self.session(request)
-        body = await read_body(request, self.max_body)
-        return await self.core.prepare(session, await self.parse(session, body, parse))
-
-    async def finish_call(self, request: Request, prepared: PreparedCall) -> CallOutcome | None:
-        """Run a prepared call to its durable record; None when the client went away meanwhile."""
-        try:
-            return await race_disconnect(request.receive, self.core.run(prepared))
-        finally:
-            self.core.release(prepared)
-
-    def stream_call(
-        self,
-        prepared: PreparedCall,
-        first: bytes,
-        events: Callable[[CallOutcome], Iterable[bytes]],
-        on_error: Callable[[GatewayError], bytes],
-        keepalive: bytes = b": keep-alive\n\n",
-    ) -> SSEResponse:
-        """An SSE answer: `first` at once, keep-alives while generating, then `events(outcome)`."""
-        return SSEResponse(
-            first,
-            lambda: self.core.run(prepared),
-            lambda: self.core.release(prepared),
-            events,
-            on_error,
-            keepalive,
-        )
 
     def dialect_for(self, path: str) -> Dialect:
         for dialect in self.dialects[1:]:
@@ -231,43 +165,8 @@ class Gateway:
         rollout_id = request.path_params["rollout_id"]
         if await self.core.store.get_rollout(rollout_id) is None:
             raise GatewayError(404, f"No rollout {rollout_id}.", kind="not_found")
-        calls = await self.core.store.calls(rollout_id)
-        prompts = self.core.store.full_prompts(calls)
-        any_tools = any(c.sampling_requested.get("tools") for c in calls)
-        out = []
-        for c in calls:
-            assert c.id is not None
-            out.append(
-                {
-                    "call_id": c.id,
-                    "seq": c.seq,
-                    "status": c.status,
-                    "error": c.error,
-                    "model": c.model,
-                    "dialect": c.dialect,
-                    "engine": c.engine,
-                    "branch_id": c.branch_id,
-                    "parent_call_id": c.parent_call_id,
-                    "branch_reason": c.branch_reason,
-                    "side_request": side_request_reason(c.sampling_requested, any_tools),
-                    "policy_version": c.policy_version,
-                    "prompt_ids": prompts[c.id],
-                    "reused_prompt_tokens": c.prompt_prefix_len,
-                    "completion_ids": c.completion_ids,
-                    "completion_logprobs": c.completion_logprobs,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    "sampling_requested": c.sampling_requested,
-                    "sampling_used": c.sampling_used,
-                    "messages_delta": c.messages_delta,
-                    "response": c.response,
-                    "parse_errors": c.parse_errors,
-                    "image_digests": c.image_digests,
-                    "created_at": c.created_at,
-                    "latency_ms": c.latency_ms,
-                }
-            )
-        return JSONResponse({"rollout_id": rollout_id, "calls": out})
+        calls = public_calls(await self.core.store.calls(rollout_id))
+        return JSONResponse({"rollout_id": rollout_id, "calls": calls})
 
     async def admin_image(self, request: Request) -> Response:
         """An image a call showed (or a harness uploaded), by digest, with its media type."""
@@ -318,7 +217,7 @@ class Gateway:
 
     async def upload_file(self, request: Request) -> Response:
         try:
-            session = await self.session(request)
+            session = await self.dialect_routes.session(request)
             body = await read_body(request, self.max_body, json=False)
             fields = await self.core.workers.run(_multipart, request.headers.get("content-type", ""), body)
             if "file" not in fields:
@@ -331,7 +230,7 @@ class Gateway:
             return self._files_error(err, request)
 
     async def _uploaded(self, request: Request) -> tuple[Image, float]:
-        session = await self.session(request)
+        session = await self.dialect_routes.session(request)
         ref = request.path_params["file_id"]
         digest = digest_of_file_id(ref)
         # Another rollout's upload is as unknown as a made-up id: nothing tells that it exists.
@@ -448,7 +347,7 @@ class Gateway:
         ]
         for dialect in self.dialects:
             for prefix in ("", "/r/{rollout_id}"):
-                routes += dialect.routes(self, prefix)
+                routes += self.dialect_routes.for_dialect(dialect, prefix)
         for prefix in ("", "/r/{rollout_id}"):
             routes += [
                 Route(prefix + "/v1/files", self.upload_file, methods=["POST"]),

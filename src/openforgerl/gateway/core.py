@@ -1,7 +1,8 @@
 """The dialect-free heart of the gateway: rollouts, token memory, sampling, engine, recording.
 
-A dialect translator turns a request into a `Conversation`, calls `GatewayCore.complete`, and
-turns the `CallOutcome` back into its wire format. Nothing here knows a dialect.
+A dialect translator turns a request into a `Conversation`; the gateway's route skeleton
+(gateway/routes.py) prepares and runs it here (`prepare`, `run`, `release`), and the dialect turns
+the `CallOutcome` back into its wire format. Nothing here knows a dialect.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class GatewayCore:
         self.policy = policy or SamplingPolicy()
         # None: the engine's own limit (a model's max_position_embeddings), so a student made with
         # `model init --max-positions 32768` serves a harness's 15k-token prompts without a flag.
-        self.max_context: int = max_context or getattr(engine, "max_context", None) or 4096
+        self.max_context: int = max_context or engine.max_context or 4096
         self.max_inflight = max_inflight
         self.inflight = 0
         self._by_key: dict[str, Session] = {}
@@ -304,7 +305,7 @@ class GatewayCore:
             body, used = self._upstream(session).request(conv, session.rollout.sampling, session.next_seq)
         else:
             prompt_tokens = len(plan.prompt_ids)
-            engine_max = min(self.max_context, getattr(self.engine, "max_context", self.max_context))
+            engine_max = min(self.max_context, self.engine.max_context or self.max_context)
             try:
                 params, used = session.policy.resolve(
                     conv.sampling,
@@ -313,7 +314,7 @@ class GatewayCore:
                     self.renderer.stop_token_ids,
                     # "text" asks for nothing; a JSON object or schema is constrained where possible.
                     conv.response_format if (conv.response_format or {}).get("type") != "text" else None,
-                    getattr(self.engine, "supports_response_format", False),
+                    self.engine.supports_response_format,
                     call=session.next_seq,
                 )
             except ValueError as exc:

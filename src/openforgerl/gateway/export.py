@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl.images import Image
-from openforgerl.store import CallRow, RolloutRow, Store
-from openforgerl.trajectory import side_request_reason
+from openforgerl.store import CallRow, RolloutRow, Store, public_calls
 
 
 @dataclass(slots=True)
@@ -62,40 +61,38 @@ def chat_rows(
     *,
     include_side_requests: bool = False,
 ) -> list[dict[str, Any]]:
-    """One chat row per branch of the rollout (calls in seq order, as the store returns them)."""
-    ok = [c for c in calls if c.status == "ok" and c.id is not None]
-    by_id = {c.id: c for c in ok}
-    uses_tools = any(c.sampling_requested.get("tools") for c in calls)
+    """One chat row per branch of the rollout (calls in seq order, as the store returns them), read
+    in the public shape of a recorded call (`public_calls`, as the admin API gives them)."""
+    ok = [c for c in public_calls(calls, tokens=False) if c["status"] == "ok" and c["call_id"] is not None]
+    by_id = {c["call_id"]: c for c in ok}
     paths: dict[int, _Path] = {}
     extended: set[int] = set()
     for c in ok:
-        assert c.id is not None
-        parent = paths.get(c.parent_call_id) if c.parent_call_id is not None else None
+        parent_id = c["parent_call_id"]
+        parent = paths.get(parent_id) if parent_id is not None else None
         if parent is not None:
-            assert c.parent_call_id is not None
-            extended.add(c.parent_call_id)
-            history = [*parent.messages, dict(by_id[c.parent_call_id].response)]
+            extended.add(parent_id)
+            history = [*parent.messages, dict(by_id[parent_id]["response"])]
             tools, ids, truncated = parent.tools, parent.call_ids, parent.truncated
-        elif c.parent_call_id is not None:
+        elif parent_id is not None:
             continue  # extends a call that is not here: cannot happen in a store the gateway wrote
         else:
             history, ids, truncated = [], [], False
-            tools = c.sampling_requested.get("tool_definitions")
-            if tools is None and not c.sampling_requested.get("tools"):
+            tools = c["sampling_requested"].get("tool_definitions")
+            if tools is None and not c["sampling_requested"].get("tools"):
                 tools = []
-        paths[c.id] = _Path(
-            [*history, *_sent(c.messages_delta)],
+        paths[c["call_id"]] = _Path(
+            [*history, *_sent(c["messages_delta"])],
             tools,
-            [*ids, c.id],
-            truncated or c.finish_reason == "length",
+            [*ids, c["call_id"]],
+            truncated or c["finish_reason"] == "length",
         )
     rows = []
     for c in ok:
-        assert c.id is not None
-        if c.id in extended or c.id not in paths:
+        if c["call_id"] in extended or c["call_id"] not in paths:
             continue
-        path = paths[c.id]
-        if not include_side_requests and side_request_reason(c.sampling_requested, uses_tools):
+        path = paths[c["call_id"]]
+        if not include_side_requests and c["side_request"]:
             counts.skip("side request")
         elif path.truncated:
             counts.skip("an answer was cut by max_tokens")
@@ -104,16 +101,16 @@ def chat_rows(
         else:
             rows.append(
                 {
-                    "messages": [*path.messages, dict(c.response)],
+                    "messages": [*path.messages, dict(c["response"])],
                     "tools": path.tools,
                     "rollout_id": rollout.id,
                     "run_id": rollout.run_id,
                     "task_id": rollout.task_id,
                     "reward": rollout.reward,
-                    "branch_id": c.branch_id,
+                    "branch_id": c["branch_id"],
                     "call_ids": path.call_ids,
-                    "models": sorted({by_id[i].model for i in path.call_ids}),
-                    "engines": sorted({by_id[i].engine for i in path.call_ids}),
+                    "models": sorted({by_id[i]["model"] for i in path.call_ids}),
+                    "engines": sorted({by_id[i]["engine"] for i in path.call_ids}),
                 }
             )
     return rows

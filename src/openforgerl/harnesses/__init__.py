@@ -1,45 +1,11 @@
-"""Harness adapters: one module per agent CLI, behind the `Harness` protocol (base.py).
+"""Harnesses: every agent program a rollout can run inside its sandbox, and how it is launched.
 
-harness = get("codex")                   # bound to the default cache folder
-harness.install()                        # the pinned version, once
-env = harness.prepare(home, workdir, rollout["base_url"], rollout["api_key"], "policy")
-result = run(harness.command("Fix the test"), cwd=workdir, env=env, timeout=600)
-harness.succeeded(result, home)
+- `launch.py`: one launch path for all of them (`HarnessChoice`: each task under its harness), the
+  runner's `HarnessFactory`/`HarnessLaunch` contract, and what of this package a sandbox sees.
+- `react.py`, `gui.py`: the built-in harnesses (a ReAct tool loop; a browser agent on screenshots),
+  run inside the sandbox as `python -m openforgerl.harnesses.react|gui`.
+- `adapters.py` (`get(name)`, `HARNESSES`) and one module per real agent CLI, behind the `Harness`
+  protocol of `base.py`.
+
+This file imports nothing: the built-in harnesses run in sandboxes that see only their own modules.
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from pathlib import Path
-
-from openforgerl.harnesses.base import Check, Harness, HarnessError, RunResult, default_cache_dir, run
-from openforgerl.harnesses.claude_code import ClaudeCode
-from openforgerl.harnesses.codex import Codex
-from openforgerl.harnesses.gemini_cli import GeminiCli
-from openforgerl.harnesses.mini_swe_agent import MiniSweAgent
-from openforgerl.harnesses.openclaw import OpenClaw
-from openforgerl.harnesses.opencode import OpenCode
-from openforgerl.harnesses.pi import Pi
-from openforgerl.harnesses.qwen_code import QwenCode
-
-__all__ = ["HARNESSES", "Check", "Harness", "HarnessError", "RunResult", "default_cache_dir", "get", "run"]
-
-HARNESSES: dict[str, Callable[[Path | None], Harness]] = {
-    "claude-code": ClaudeCode,
-    "codex": Codex,
-    "qwen-code": QwenCode,
-    "opencode": OpenCode,
-    "openclaw": OpenClaw,
-    "gemini-cli": GeminiCli,
-    "pi": Pi,
-    "mini-swe-agent": MiniSweAgent,
-}
-
-
-def get(name: str, cache_dir: Path | None = None) -> Harness:
-    """The adapter for `name` (a key of HARNESSES), bound to `cache_dir` (default: default_cache_dir())."""
-    try:
-        factory = HARNESSES[name]
-    except KeyError:
-        raise KeyError(f"unknown harness {name!r}; one of {', '.join(HARNESSES)}") from None
-    return factory(cache_dir)

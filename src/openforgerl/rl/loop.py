@@ -82,19 +82,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
 from openforgerl import behaviour
 from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
-from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_thread
-from openforgerl.launch import HarnessChoice, LaunchOptions
+from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, iter_checkpoints, passed
-from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, python_binds
-from openforgerl.sandbox.local import LocalBackend
+from openforgerl.rollouts.results import RolloutResult, Status
+from openforgerl.rollouts.runner import OnFailure
+from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
+from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.tasks import Task, load_tasks
-from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
 
 RUN_FILE = "run.json"
 
@@ -199,37 +199,8 @@ def mixed_groups(results: Sequence[RolloutResult]) -> list[str]:
     return [task for task, seen in rewards.items() if len(seen) > 1]
 
 
-class _Cancel:
-    """Stops an asyncio run on another thread: the run attaches its task, `cancel` cancels it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[Any] | None = None
-        self.cancelled = False
-
-    def attach(self) -> None:
-        """Called inside the run: from now on `cancel` cancels the running task."""
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("attach() must be called from inside a task")
-        with self._lock:
-            self._loop, self._task = asyncio.get_running_loop(), task
-            if self.cancelled:
-                task.cancel()  # cancelled before this run started
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            if self._loop is not None and self._task is not None:
-                try:
-                    self._loop.call_soon_threadsafe(self._task.cancel)
-                except RuntimeError:  # that run has ended and its loop is closed
-                    pass
-
-
 def run_tasks(
-    gw: RunningGateway,
+    service: RolloutService,
     tasks: Sequence[Task],
     n: int,
     state_dir: Path,
@@ -238,67 +209,46 @@ def run_tasks(
     *,
     sampling: dict[str, Any] | None = None,
     desc: str = "rollouts",
-    cancel: _Cancel | None = None,
+    cancel: Cancel | None = None,
 ) -> list[RolloutResult]:
-    """Run every task n times against the gateway; `state_dir` keeps the runner's state.
+    """Run every task n times through the service; `state_dir` keeps the runner's state.
     `cancel` lets another thread stop the run (its runner cleans up as on Ctrl-C)."""
-    harness = _harness(opts)
-    cfg = RunnerConfig(
-        gateway_url=gw.url,
-        admin_token=gw.gateway.admin_token,
+    job = RolloutJob(
+        harness_choice(opts),
         run_id=run_id,
         state_path=state_dir / "runner.db",
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
         sampling=sampling or {},
-        ro_binds=[*python_binds(), *harness.ro_binds(tasks)],
     )
-    bar = tqdm(total=len(tasks) * n, desc=desc, unit="rollout", disable=not opts.progress, leave=False)
-
-    async def go() -> list[RolloutResult]:
-        if cancel is not None:
-            cancel.attach()
-        runner = Runner(cfg, LocalBackend(), harness)
-        try:
-            return await runner.run(tasks, n, on_done=lambda _: bar.update(1))
-        finally:
-            await runner.close()
-
-    try:
-        return asyncio.run(go())
-    finally:
-        bar.close()
+    return service.run(tasks, n, job, progress=opts.progress, desc=desc, leave=False, cancel=cancel)
 
 
-def _harness(opts: TrainOptions) -> HarnessChoice:
-    """The run's harnesses (launch.py), as `openforge eval` chooses them."""
+def harness_choice(opts: TrainOptions) -> HarnessChoice:
+    """The run's harnesses (harnesses/launch.py), as `openforge eval` chooses them."""
     launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
     return HarnessChoice(opts.harness, launch)
 
 
-def recorded_rollouts(gw: RunningGateway, results: Sequence[RolloutResult]) -> list[Rollout]:
-    """The trainer's view of finished rollouts: merged samples of each one's recorded calls."""
+def recorded_rollouts(results: Sequence[RolloutResult]) -> list[Rollout]:
+    """The trainer's view of finished rollouts: each one's samples, and its reward (None: not
+    scored). A dropped rollout is left out; one whose calls the gateway cannot give is an error."""
     out = []
-    headers = {"authorization": f"Bearer {gw.gateway.admin_token}"}
-    with httpx.Client(base_url=gw.url, headers=headers, timeout=120) as client:
-        for r in results:
-            if r.status == Status.DROPPED or not r.gateway_rollout_id:
-                continue
-            payload = r.calls  # read by the runner at close, else (a resumed run) read now
-            if payload is None:
-                resp = client.get(f"/admin/rollouts/{r.gateway_rollout_id}/calls")
-                resp.raise_for_status()
-                payload = resp.json()
-            reward = r.reward if r.status == Status.DONE else None
-            samples = build_samples(calls_from_json(payload), float(reward or 0.0))
-            out.append(Rollout(r.task_id, reward, samples))
+    for r in results:
+        if r.status == Status.DROPPED or not r.gateway_rollout_id:
+            continue
+        if r.calls is None:
+            raise RuntimeError(f"the gateway gave no calls of rollout {r.gateway_rollout_id} ({r.key})")
+        out.append(Rollout(r.task_id, r.reward if r.status == Status.DONE else None, r.samples))
     return out
 
 
-def evaluate(gw: RunningGateway, opts: TrainOptions, tasks: Sequence[Task], step: int) -> dict[str, float]:
+def evaluate(
+    service: RolloutService, opts: TrainOptions, tasks: Sequence[Task], step: int
+) -> dict[str, float]:
     """pass@1 with greedy decoding on the held-out tasks, with the engine's current weights."""
     results = run_tasks(
-        gw,
+        service,
         tasks,
         1,
         opts.out / "evals" / f"{step:06d}",
@@ -362,17 +312,17 @@ class StepRollouts:
 
 
 def collect_step(
-    gw: RunningGateway,
+    service: RolloutService,
     opts: TrainOptions,
     train_tasks: Sequence[Task],
     step: int,
-    cancel: _Cancel | None = None,
+    cancel: Cancel | None = None,
 ) -> StepRollouts:
-    """Run (or, after a crash, finish) the rollouts of `step` and read back what they recorded.
+    """Run (or, after a crash, finish) the rollouts of `step`: their results and the trainer's view.
 
     With dynamic sampling (`max_gen_batches` > 1) more batches of tasks are drawn, each with its
     own runner state (steps/N/gen-B), until `batch_tasks` groups have mixed rewards; the first
-    `batch_tasks` of those are kept, and only their calls are read back."""
+    `batch_tasks` of those are kept, and only they go to the trainer."""
     started, t0 = time.time(), time.monotonic()
     state_dir = opts.out / "steps" / f"{step:06d}"
     drawn: list[Task] = []
@@ -383,7 +333,7 @@ def collect_step(
             break  # every train task is drawn already
         drawn += tasks
         results += run_tasks(
-            gw,
+            service,
             tasks,
             opts.group,
             state_dir / f"gen-{batch}" if batch else state_dir,
@@ -408,7 +358,7 @@ def collect_step(
             "dynamic/groups_mixed": len(mixed),
             "dynamic/groups_kept": len(chosen),
         }
-    rollouts = recorded_rollouts(gw, kept)
+    rollouts = recorded_rollouts(kept)
     return StepRollouts(step, results, rollouts, started, time.time(), time.monotonic() - t0, metrics)
 
 
@@ -421,7 +371,7 @@ class Prefetcher:
     """
 
     def __init__(
-        self, collect: Callable[[int, _Cancel], StepRollouts], first: int, last: int, max_lag: int
+        self, collect: Callable[[int, Cancel], StepRollouts], first: int, last: int, max_lag: int
     ) -> None:
         self._collect = collect
         self._first, self._last, self._max_lag = first, last, max_lag
@@ -429,7 +379,7 @@ class Prefetcher:
         self._pushed = first - 1  # a (resumed) run starts with the weights of step first - 1
         self._ready: dict[int, StepRollouts | BaseException] = {}
         self._stopping = False
-        self._cancel = _Cancel()
+        self._cancel = Cancel()
         self._thread = threading.Thread(target=self._run, name="openforge-rollouts", daemon=True)
         self._thread.start()
 
@@ -528,7 +478,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
             "dynamic sampling (max_gen_batches > 1) keeps mixed groups only: it cannot "
             "also train on equal-reward groups (drop_zero_variance=False)"
         )
-    harness = _harness(opts)  # an unknown harness fails here, before a model is loaded
+    harness = harness_choice(opts)  # an unknown harness fails here, before a model is loaded
     run_dir = opts.out
     if not resume and (run_dir / RUN_FILE).exists():
         raise FileExistsError(
@@ -574,16 +524,17 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     t_start = time.monotonic()
     try:
         with serve_in_thread(gw_cfg, engine) as gw:
+            service = RolloutService.of(gw)
             # A vision-language policy's samples name their images by digest; the gateway's store
             # keeps the bytes the engine saw, so the trainer recomputes logprobs on the same pixels.
             trainer.policy.image_source = gw.gateway.core.store.images_sync
             if sync_first:  # before any rollout (and before the prefetcher starts)
                 _check_version(_push(trainer, engine, model_dir, gw.loop), trainer)
             if opts.eval_every and trainer.step == 0 and 0 not in log.steps():
-                log.write(0, {"policy_version": 0, **evaluate(gw, opts, eval_tasks, 0)})
+                log.write(0, {"policy_version": 0, **evaluate(service, opts, eval_tasks, 0)})
 
-            def collect(step: int, cancel: _Cancel | None = None) -> StepRollouts:
-                return collect_step(gw, opts, train_tasks, step, cancel)
+            def collect(step: int, cancel: Cancel | None = None) -> StepRollouts:
+                return collect_step(service, opts, train_tasks, step, cancel)
 
             first = trainer.step + 1
             prefetch = None
@@ -604,7 +555,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
                     metrics["time/wall"] = time.monotonic() - t_loop
                     if opts.eval_every and step % opts.eval_every == 0:
                         t1 = time.monotonic()
-                        metrics.update(evaluate(gw, opts, eval_tasks, step))
+                        metrics.update(evaluate(service, opts, eval_tasks, step))
                         metrics["time/eval"] = time.monotonic() - t1
                     log.write(step, metrics)
                     _prune(run_dir / "checkpoints", opts.keep_checkpoints)

@@ -67,6 +67,7 @@ class OracleTeacherEngine:
     """An Engine that plays the tools-tiny oracle for `tasks` (logprobs are 0.0: not a sampled policy)."""
 
     name = "oracle-teacher"
+    supports_response_format = False
 
     def __init__(
         self,

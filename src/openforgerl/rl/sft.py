@@ -28,7 +28,7 @@ from tqdm import tqdm
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
 from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, Tuning, passed
-from openforgerl.trajectory import NO_VERSION, Sample, build_samples, calls_from_json
+from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
 
 
@@ -263,9 +263,11 @@ def oracle_samples(
     `faulted`: of the chosen tasks that carry transient faults (tools-tiny-faults), only the first
     `faulted` keep them, the others run clean (None: all keep them); the teacher reads a failed file
     again."""
-    from openforgerl.evaluate import EvalOptions, run_rollouts
+    from openforgerl.gateway.server import GatewayConfig
+    from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
     from openforgerl.rl.oracle_teacher import ORACLE_SUITES, OracleTeacherEngine, reference_solutions
-    from openforgerl.runner import Status
+    from openforgerl.rollouts.results import Status
+    from openforgerl.rollouts.service import RolloutJob, embedded
     from openforgerl.tasks import load_tasks
     from openforgerl.tasks.suites.tools_tiny import keep_faults
 
@@ -274,27 +276,23 @@ def oracle_samples(
     chosen = load_tasks(tasks, split=split)[:limit]  # type: ignore[arg-type]
     if faulted is not None:
         chosen = keep_faults(chosen, faulted)
-    opts = EvalOptions(
-        tasks=tasks,
-        harness=harness,
-        split=split,
-        limit=limit,
-        model=str(model_dir),
-        out=out,
+    max_tokens = 1024 if tasks == "claw-basic" else 256  # a reference solution is one call: room for it
+    job = RolloutJob(
+        HarnessChoice(harness, LaunchOptions(max_turns=max_turns, max_tokens=max_tokens)),
+        run_id=out.name,
+        state_path=out / "runner.db",
         concurrency=concurrency,
-        max_turns=max_turns,
-        # A reference solution is one call: room for the longest script.
-        max_tokens=1024 if tasks == "claw-basic" else 256,
-        progress=progress,
     )
+    job.check(chosen)
+    out.mkdir(parents=True, exist_ok=True)
     solutions = reference_solutions() if tasks == "claw-basic" else {}
     teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work, solutions=solutions)
-    results, recorded = run_rollouts(opts, teacher, chosen)
-    samples = []
-    for r in results:
-        if r.status == Status.DONE and passed(r.reward or 0.0) and r.gateway_rollout_id in recorded:
-            samples += build_samples(calls_from_json(recorded[r.gateway_rollout_id]), 1.0)
-    return samples
+    gateway = GatewayConfig(
+        model=str(model_dir), port=0, store=str(out / "gateway.db"), max_tokens=max_tokens
+    )
+    with embedded(gateway, teacher) as service:
+        results = service.run(chosen, 1, job, progress=progress)
+    return [s for r in results if r.status == Status.DONE and passed(r.reward or 0.0) for s in r.samples]
 
 
 def write_samples(samples: Sequence[Sample], path: Path) -> None:

@@ -15,7 +15,7 @@ more than one update does the PPO clip act: it bounds how far the later updates 
 
 Vision-language models: a sample's `image_digests` are looked up through the policy's image
 source (the gateway store's `images_sync`), turned into pixel inputs by the same
-`openforgerl.vision.vision_inputs` the engine uses, and fed with the model's 3-D rope positions, so
+`openforgerl.vision.checked_vision_inputs` the engine uses, and fed with the model's 3-D rope positions, so
 the recomputed logprobs are those of the prompt the engine saw.
 
 What is trained (`Tuning`): every weight (the default), or LoRA adapters on every linear layer
@@ -46,20 +46,11 @@ from typing import Any
 
 import torch
 
+from openforgerl import vision
 from openforgerl.engines.base import Engine
 from openforgerl.images import Image
 from openforgerl.rl import algos
-from openforgerl.trajectory import Sample
-from openforgerl.vision import (
-    NEVER_SAMPLED,
-    check_placeholders,
-    image_token_counts,
-    is_vision_model,
-    load_processor,
-    rope_positions,
-    unsampleable_token_ids,
-    vision_inputs,
-)
+from openforgerl.rollouts.trajectory import Sample
 
 # digests -> the images among them that are kept (Store.images_sync); unknown digests are absent.
 ImageSource = Callable[[Sequence[str]], dict[str, Image]]
@@ -256,15 +247,6 @@ def _collate(
 SHARED_PREFIX_MIN = 32  # below this, running the prefix apart saves less than it costs
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
-    """The model of `model_dir`: AutoModelForImageTextToText for a vision-language model, else
-    AutoModelForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    auto: Any = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
-    return auto.from_pretrained(model_dir, dtype=dtype)
-
-
 def _with_lora(model: Any, tuning: Tuning, adapter_dir: str | Path | None) -> Any:
     """`model` frozen under LoRA adapters on every linear layer but the LM head (peft): new ones
     (B = 0, so the function is unchanged), or those saved in `adapter_dir`."""
@@ -309,13 +291,13 @@ class Policy:
             raise ValueError("an adapter to resume needs LoRA tuning (lora_rank > 0)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(seed)
-        self.processor = load_processor(model_dir) if is_vision_model(model_dir) else None
+        self.processor = vision.load_processor(model_dir) if vision.is_vision_model(model_dir) else None
         self.image_source = image_source
         self.tokenizer: Any = (
             self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_dir)
         )
         # fp32 master weights everywhere; on a GPU the forward runs under bf16 autocast.
-        self.model: Any = load_model(model_dir).to(self.device)
+        self.model: Any = vision.load_model(model_dir).to(self.device)
         base = self.model
         if self.tuning.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -341,7 +323,7 @@ class Policy:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         self._keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
-        self._unsampleable = torch.tensor(unsampleable_token_ids(self.model), dtype=torch.long)
+        self._unsampleable = torch.tensor(vision.unsampleable_token_ids(self.model), dtype=torch.long)
 
     def micro_batches(self, samples: Sequence[Sample], budget: int) -> list[list[int]]:
         """`samples` split into micro-batches within `budget` padded tokens, a shared prefix counted once."""
@@ -378,21 +360,18 @@ class Policy:
                 )
         parts = []
         for s in samples:
-            if not s.image_digests:
-                check_placeholders(self.processor, s.input_ids, [])
-                continue
-            inputs = vision_inputs(self.processor, [found[d] for d in s.image_digests])
-            check_placeholders(
-                self.processor, s.input_ids, image_token_counts(self.processor, inputs["image_grid_thw"])
+            inputs = vision.checked_vision_inputs(
+                self.processor, s.input_ids, [found[d] for d in s.image_digests]
             )
-            parts.append(inputs)
+            if inputs is not None:
+                parts.append(inputs)
         out = {}
         if parts:
             out = {
                 k: torch.cat([p[k] for p in parts]).to(self.device)
                 for k in ("pixel_values", "image_grid_thw")
             }
-        position_ids, _ = rope_positions(
+        position_ids, _ = vision.rope_positions(
             self.model, batch.ids, batch.attention, out.get("image_grid_thw"), self.processor.image_token_id
         )
         out["position_ids"] = position_ids
@@ -419,8 +398,7 @@ class Policy:
             else:
                 logits = model(**inputs).logits[:, batch.positions - skip]
         logits = logits.float() / (self.temperature if temperature is None else temperature)
-        if len(self._unsampleable):  # the engine never samples these (see vision.unsampleable_token_ids)
-            logits = logits.index_fill(-1, self._unsampleable.to(logits.device), NEVER_SAMPLED)
+        logits = vision.mask_unsampleable(logits, self._unsampleable)  # the engine never samples these
         picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
         return picked - logits.logsumexp(-1)
 
@@ -558,7 +536,7 @@ class Trainer:
         self.actor_config = cfg.loss.actor_config(group_size)
         self.reference: Any = None
         if cfg.loss.kl_coef > 0:
-            self.reference = load_model(reference_dir or model_dir)
+            self.reference = vision.load_model(reference_dir or model_dir)
             self.reference.to(self.policy.device).eval().requires_grad_(False)
         self.step = 0
         self.policy_version = 0

@@ -1,17 +1,24 @@
-"""The one protocol every sandbox backend implements (local bwrap, Docker, Kubernetes, ...)."""
+"""The one protocol every sandbox backend implements (local bwrap, Docker, Kubernetes, ...): what a
+sandbox is asked for (`SandboxSpec`), what its commands return (`ExecResult`, captured by `Output`), and
+`Sandbox`, the lifecycle that every backend's sandbox inherits and fills in with its own steps."""
 
 from __future__ import annotations
 
+import abc
+import enum
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, Self, runtime_checkable
 from urllib.parse import urlsplit
 
 Network = Literal["none", "gateway", "host"]
 NETWORKS: tuple[Network, ...] = ("none", "gateway", "host")
 
 GiB = 1 << 30
+# How much of each of a command's stdout and stderr is kept (its head and tail).
+OUTPUT_LIMIT = 1 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,6 +50,10 @@ class SandboxSpec:
     # Host paths made visible read-only (a harness install, the project's venv): a path is bound at
     # the same path inside, a (host, inside) pair where given.
     ro_binds: Sequence[str | tuple[str, str]] = ()
+    # Host paths under ro_binds that commands inside must not see (parts of a bound package that no
+    # harness needs, such as task code): each is replaced by an empty dir, or an empty file. The
+    # local backend only; a container sees what its image holds.
+    hidden: Sequence[str] = ()
     # The task's container image (container backends; None: the backend's configured image) and
     # labels naming what the sandbox is for (e.g. {"task": id}); the local backend ignores both.
     image: str | None = None
@@ -63,6 +74,9 @@ class SandboxSpec:
             for path in (bind,) if isinstance(bind, str) else bind:
                 if not Path(path).is_absolute():
                     raise ValueError(f"ro_binds need absolute paths, not {path!r}")
+        for path in self.hidden:
+            if not Path(path).is_absolute():
+                raise ValueError(f"hidden needs absolute paths, not {path!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,40 +143,207 @@ class SandboxUnavailable(SandboxError):
     """The backend cannot provide what was asked on this machine (a missing tool); retrying won't help."""
 
 
-@runtime_checkable
-class Sandbox(Protocol):
+class Capture:
+    """A stream's first and last `limit / 2` bytes, so a flooding command cannot eat the runner's memory."""
+
+    def __init__(self, limit: int) -> None:
+        self._half = limit // 2
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self._half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        self.tail += chunk
+        if len(self.tail) > self._half:
+            del self.tail[: len(self.tail) - self._half]
+
+    def text(self) -> tuple[str, bool]:
+        omitted = self.total - len(self.head) - len(self.tail)
+        if omitted <= 0:
+            return (self.head + self.tail).decode(errors="replace"), False
+        marker = f"\n[... {omitted} bytes omitted ...]\n"
+        return self.head.decode(errors="replace") + marker + self.tail.decode(errors="replace"), True
+
+
+class Output:
+    """A command's stdout and stderr as they stream in, each a `Capture` of `limit` bytes."""
+
+    def __init__(self, limit: int = OUTPUT_LIMIT) -> None:
+        self.limit = limit
+        self.stdout = Capture(limit)
+        self.stderr = Capture(limit)
+
+    def stdout_bytes(self) -> bytes:
+        """All of stdout, for file reads (their limit is set high enough that nothing is cut)."""
+        if self.stdout.total > len(self.stdout.head) + len(self.stdout.tail):
+            raise OSError(f"file larger than {self.limit} bytes")
+        return bytes(self.stdout.head + self.stdout.tail)
+
+    def result(self, code: int, *, killed_by: str | None, started: float, ended: float) -> ExecResult:
+        stdout, stdout_cut = self.stdout.text()
+        stderr, stderr_cut = self.stderr.text()
+        return ExecResult(
+            exit_code=code,
+            stdout=stdout,
+            stderr=stderr,
+            timed_out=killed_by == "wall-time",
+            killed_by=killed_by,
+            stdout_truncated=stdout_cut,
+            stderr_truncated=stderr_cut,
+            duration_s=ended - started,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Counters:
+    """A cgroup's OOM kills and pids-limit hits: read before and after a command, they tell whether a
+    limit ended it."""
+
+    oom_kills: int
+    pids_hits: int
+
+    def limit_hit(self, after: Counters | None) -> str | None:
+        """ "oom" or "pids" where `after` (read once the command ended) counts more than this."""
+        if after is None:
+            return None
+        if after.oom_kills > self.oom_kills:
+            return "oom"
+        if after.pids_hits > self.pids_hits:
+            return "pids"
+        return None
+
+
+def read_counter(file: Path, key: str) -> int:
+    """The value of `key` in a cgroup file of "key value" lines (0 where it is absent)."""
+    for line in file.read_text().splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+def rewrite_gateway(env: Mapping[str, str], outside: str | None, inside: str | None) -> dict[str, str]:
+    """Env values that name the gateway as the host reaches it, rewritten to how the sandbox does."""
+    if not outside or not inside:
+        return dict(env)
+    out, ins = urlsplit(outside), urlsplit(inside)
+    old, new = f"{out.scheme}://{out.netloc}", f"{ins.scheme}://{ins.netloc}"
+    return {k: v.replace(old, new) for k, v in env.items()}
+
+
+class State(enum.Enum):
+    """Where a sandbox is in its life: created -> starting -> running -> stopping -> stopped."""
+
+    CREATED = "created"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Sandbox(abc.ABC):
     """One rollout's sandbox: start, exec, put/get files, stop.
 
     Paths inside are absolute, or relative to `workdir`. Processes started by one exec must not be
     relied on to outlive it.
+
+    The lifecycle is written here once; a backend supplies its steps: `_provision` (build it),
+    `_ready` (once running: the spec's files, a probe), `_exec` (one command, its argv, env, cwd,
+    limit and stdin already checked), the file moves and `_teardown`. A sandbox starts once; exec and
+    the file moves need it running; stop is idempotent, and a failed start stops it.
     """
 
     name: str
     spec: SandboxSpec
 
-    @property
-    def workdir(self) -> str:
-        """The work dir as commands inside see it."""
-        ...
+    def __init__(self, spec: SandboxSpec, name: str) -> None:
+        self.spec = spec
+        self.name = name
+        self._state = State.CREATED
+        self._gateway = urlsplit(spec.gateway_url) if spec.gateway_url else None
+
+    # -- what commands inside see -------------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
+    def workdir(self) -> str:
+        """The work dir as commands inside see it."""
+
+    @property
+    @abc.abstractmethod
     def tmpdir(self) -> str:
         """The sandbox's own temp dir as commands inside see it (their TMPDIR): where the runner puts
         what the agent must not see in the work dir. Not always /tmp: a local sandbox without
         isolation has no /tmp of its own."""
-        ...
 
     @property
+    @abc.abstractmethod
     def gateway_url(self) -> str | None:
         """The gateway as commands inside reach it (build the rollout's base URLs from this)."""
-        ...
 
     @property
+    @abc.abstractmethod
     def info(self) -> SandboxInfo: ...
+
+    @property
+    def _gateway_port(self) -> int:
+        assert self._gateway is not None
+        return self._gateway.port or (443 if self._gateway.scheme == "https" else 80)
+
+    @property
+    def _relay_url(self) -> str:
+        """The gateway as a relay on the sandbox's loopback (bridge.py) serves it: at its own port, or
+        8080 for a port below 1024 (which needs a capability the sandbox lacks)."""
+        assert self._gateway is not None
+        return f"{self._gateway.scheme}://127.0.0.1:{self._relay_port}{self._gateway.path}"
+
+    @property
+    def _relay_port(self) -> int:
+        return self._gateway_port if self._gateway_port >= 1024 else 8080
+
+    # -- the lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     async def start(self) -> None:
         """Build the sandbox; raises SandboxStartError when the infrastructure fails."""
-        ...
+        if self._state is not State.CREATED:
+            raise SandboxError(f"sandbox {self.name} is {self._state.value}; it starts once")
+        self._state = State.STARTING
+        try:
+            await self._provision()
+            self._state = State.RUNNING
+            await self._ready()
+        except BaseException as e:
+            await self.stop()
+            failure = self._start_failure(e)
+            if failure is None:
+                raise
+            raise failure from e
+
+    async def stop(self) -> None:
+        """Kill everything and remove every trace (processes, mounts, cgroups, temp dirs); idempotent."""
+        if self._state in (State.STOPPING, State.STOPPED):
+            return
+        self._state = State.STOPPING
+        try:
+            await self._teardown()
+        finally:
+            self._state = State.STOPPED
+
+    def _check_open(self) -> None:
+        if self._state is not State.RUNNING:
+            raise SandboxError(f"sandbox {self.name} is {self._state.value}")
 
     async def exec(
         self,
@@ -178,19 +359,64 @@ class Sandbox(Protocol):
         `timeout` ends the command with a result (timed_out, killed_by "wall-time"); cancelling the
         call instead kills its process tree and returns nothing.
         """
-        ...
+        self._check_open()
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise ValueError("empty command")
+        limits = [t for t in (timeout, self.spec.limits.wall_time_s) if t is not None]
+        return await self._exec(
+            argv,
+            env=env or {},
+            cwd=posixpath.join(self.workdir, cwd) if cwd else self.workdir,
+            limit_s=min(limits) if limits else None,
+            stdin=stdin.encode() if isinstance(stdin, str) else stdin,
+        )
 
-    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
+        await self._put_file(path, data.encode() if isinstance(data, str) else data, mode)
 
     async def put_dir(self, src: str | Path, dest: str) -> None:
         """Copy a host directory's contents into the sandbox at `dest`."""
-        ...
+        self._check_open()
+        await self._put_dir(Path(src), dest)
 
-    async def get_file(self, path: str) -> bytes: ...
+    async def get_file(self, path: str) -> bytes:
+        self._check_open()
+        return await self._get_file(path)
 
-    async def stop(self) -> None:
-        """Kill everything and remove every trace (processes, mounts, cgroups, temp dirs); idempotent."""
-        ...
+    # -- what a backend supplies --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _provision(self) -> None:
+        """Build what the sandbox runs in (state "starting"); a failure stops the sandbox again."""
+
+    @abc.abstractmethod
+    async def _ready(self) -> None:
+        """Once running, before start returns: the spec's files, a probe that commands run."""
+
+    def _start_failure(self, error: BaseException) -> BaseException | None:
+        """What a failed start raises instead of `error` (None: `error` itself)."""
+        return None
+
+    @abc.abstractmethod
+    async def _teardown(self) -> None:
+        """Remove every trace of what `_provision` built, whatever it got to (state "stopping")."""
+
+    @abc.abstractmethod
+    async def _exec(
+        self, argv: list[str], *, env: Mapping[str, str], cwd: str, limit_s: float | None, stdin: bytes | None
+    ) -> ExecResult:
+        """Run argv in `cwd` (absolute inside) for at most `limit_s`, the spec's env updated by `env`."""
+
+    @abc.abstractmethod
+    async def _put_file(self, path: str, data: bytes, mode: int) -> None: ...
+
+    @abc.abstractmethod
+    async def _put_dir(self, src: Path, dest: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _get_file(self, path: str) -> bytes: ...
 
 
 @runtime_checkable

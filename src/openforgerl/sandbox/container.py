@@ -11,10 +11,16 @@ gives up, and (over Kubernetes' v4 WebSocket protocol) cannot even close the com
 - stdin is a counted number of bytes (`head -c N`), so the command sees its end without a close.
 
 Files travel as tar streams through the same wrapper (`tar` in the image), as `kubectl cp` does.
+
+`ContainerSandbox` is what both backends' sandboxes inherit: the layout, the probe and the spec's files
+at start, exec, the file moves and how a command ended; a backend adds its exec API (`_stream`), what
+builds and removes its container (`_provision`, `_teardown`) and whom it blames for a kill (`_blame`).
 """
 
 from __future__ import annotations
 
+import abc
+import asyncio
 import io
 import math
 import os
@@ -24,17 +30,19 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from openforgerl.sandbox.base import ExecResult
-from openforgerl.sandbox.local import _Capture
+from openforgerl.sandbox import base
+
+# The labels (Kubernetes: labels and annotations) on what a container backend makes.
+MANAGED_BY = "app.kubernetes.io/managed-by"
+RUN = "openforgerl.dev/run"
+SANDBOX = "openforgerl.dev/sandbox"
 
 WORKDIR = "/workspace"
 HOME = "/home/sandbox"
 TMP = "/tmp"
 ROOTS = (WORKDIR, HOME, TMP)
 UID = 1000
-OUTPUT_LIMIT = 1 << 20
 FILE_LIMIT = 256 << 20  # get_file: the largest file read back
 # Wall time past the exec's own limit after which the caller stops waiting for the wrapper's answer.
 GRACE_S = 30.0
@@ -157,49 +165,12 @@ def tar_dir(src: str | Path) -> bytes:
     return buf.getvalue()
 
 
-def rewrite_gateway(env: Mapping[str, str], outside: str | None, inside: str | None) -> dict[str, str]:
-    """Env values that name the gateway as the host reaches it, rewritten to how the sandbox does."""
-    if not outside or not inside:
-        return dict(env)
-    out, ins = urlsplit(outside), urlsplit(inside)
-    old, new = f"{out.scheme}://{out.netloc}", f"{ins.scheme}://{ins.netloc}"
-    return {k: v.replace(old, new) for k, v in env.items()}
-
-
 def base_env(spec_env: Mapping[str, str], gateway_url: str | None) -> dict[str, str]:
     """The environment every command in a container sandbox starts from (never the runner's own)."""
     env = {"HOME": HOME, "USER": "sandbox", "LOGNAME": "sandbox", "TMPDIR": TMP, "LANG": "C.UTF-8"}
     if gateway_url:
         env["OPENFORGE_GATEWAY_URL"] = gateway_url
     return env | dict(spec_env)
-
-
-class Output:
-    """A command's stdout and stderr as they stream in, each capped like the local sandbox's."""
-
-    def __init__(self, limit: int = OUTPUT_LIMIT) -> None:
-        self.stdout = _Capture(limit)
-        self.stderr = _Capture(limit)
-
-    def stdout_bytes(self) -> bytes:
-        """All of stdout, for file reads (their limit is set high enough that nothing is cut)."""
-        if self.stdout.total > len(self.stdout.head) + len(self.stdout.tail):
-            raise OSError(f"file larger than {FILE_LIMIT} bytes")
-        return bytes(self.stdout.head + self.stdout.tail)
-
-    def result(self, code: int, *, killed_by: str | None, started: float, ended: float) -> ExecResult:
-        stdout, stdout_cut = self.stdout.text()
-        stderr, stderr_cut = self.stderr.text()
-        return ExecResult(
-            exit_code=code,
-            stdout=stdout,
-            stderr=stderr,
-            timed_out=killed_by == "wall-time",
-            killed_by=killed_by,
-            stdout_truncated=stdout_cut,
-            stderr_truncated=stderr_cut,
-            duration_s=ended - started,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,3 +195,123 @@ def ended_by(code: int, elapsed: float, limit_s: float | None, stopping: bool) -
 def signal_of(code: int) -> str | None:
     """The wrapper's shell reports death by signal N as 128 + N."""
     return f"signal {code - 128}" if 128 < code <= 128 + 64 else None
+
+
+class StreamLost(Exception):
+    """An exec's stream ended without the command's exit status."""
+
+
+class ContainerSandbox(base.Sandbox):
+    """A sandbox whose commands and files go through an exec API under `wrap`: the work dir, HOME and
+    /tmp of the layout above; the spec's files (and a probe for the tools) once it runs; commands,
+    file moves and their outcomes. A backend supplies `_stream` (one argv through its exec API) and may
+    blame what killed a command (`_counters` before it, `_blame` after)."""
+
+    def __init__(
+        self, spec: base.SandboxSpec, name: str, *, image: str, isolation: str, backend_name: str
+    ) -> None:
+        super().__init__(spec, name)
+        self._image = image
+        self._isolation = isolation
+        self._backend_name = backend_name
+
+    @property
+    def workdir(self) -> str:
+        return WORKDIR
+
+    @property
+    def tmpdir(self) -> str:
+        return TMP
+
+    @property
+    def info(self) -> base.SandboxInfo:
+        return base.SandboxInfo(self.name, self._backend_name, self._isolation, "cgroup", self.spec.network)
+
+    @abc.abstractmethod
+    async def _stream(
+        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+    ) -> int:
+        """Runs argv (not wrapped) through the exec API, its output into `output`, and returns its exit
+        code; raises StreamLost when no exit status came back, or gives up after `wait_s`."""
+
+    def _counters(self) -> base.Counters | None:
+        """The container's cgroup counters before a command, where this host can read them."""
+        return None
+
+    async def _blame(self, code: int, lost: StreamLost | None, before: base.Counters | None) -> str | None:
+        """What killed a failed command that the wrapper did not (`lost`: its stream broke instead)."""
+        return None
+
+    async def _raw(
+        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+    ) -> int:
+        """`_stream`, with a lost stream an infrastructure failure."""
+        try:
+            return await self._stream(argv, stdin, output, wait_s)
+        except StreamLost as e:
+            raise base.SandboxStartError(f"sandbox {self.name}: {e}") from e
+
+    async def _run(
+        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, limit_s: float | None
+    ) -> int:
+        """argv under the wrapper in the work dir, for at most `limit_s`."""
+        wrapped = wrap(argv, cwd=WORKDIR, limit_s=limit_s, stdin_len=len(stdin or b""))
+        return await self._raw(wrapped, stdin, output, limit_s + GRACE_S if limit_s else None)
+
+    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
+        output = base.Output()
+        code = await self._run(argv, data, output, None)
+        if code != 0:
+            err = output.stderr.text()[0].strip()
+            raise base.SandboxError(f"sandbox {self.name}: copying in failed ({code}): {err[-500:]}")
+
+    async def _ready(self) -> None:
+        output = base.Output()
+        code = await self._raw(PROBE, None, output, None)
+        if code != 0 or output.stdout.total:
+            missing = output.stdout_bytes().decode(errors="replace").split()
+            raise base.SandboxUnavailable(
+                f"image {self._image} lacks {', '.join(missing) or 'a POSIX shell'}: "
+                f"a container sandbox needs {', '.join(TOOLS)}"
+            )
+        for root, data in tar_files(self.spec.files).items():
+            await self._transfer(extract_argv(root), data)
+
+    async def _exec(
+        self, argv: list[str], *, env: Mapping[str, str], cwd: str, limit_s: float | None, stdin: bytes | None
+    ) -> base.ExecResult:
+        extra = base.rewrite_gateway(env, self.spec.gateway_url, self.gateway_url)
+        wrapped = wrap(argv, cwd=cwd, env=extra, limit_s=limit_s, stdin_len=len(stdin or b""))
+        output = base.Output()
+        before = self._counters()
+        started = time.monotonic()
+        lost: StreamLost | None = None
+        try:
+            code = await self._stream(
+                wrapped, stdin, output, limit_s + GRACE_S if limit_s is not None else None
+            )
+        except StreamLost as e:
+            code, lost = 128 + 9, e  # as good as killed: the backend says by whom, below
+        elapsed = time.monotonic() - started
+        killed_by = ended_by(code, elapsed, limit_s, self._state is not base.State.RUNNING)
+        if killed_by is None and code != 0:
+            killed_by = await self._blame(code, lost, before)
+        killed_by = killed_by or signal_of(code)
+        return output.result(code, killed_by=killed_by, started=started, ended=time.monotonic())
+
+    async def _put_file(self, path: str, data: bytes, mode: int) -> None:
+        parent, _, leaf = resolve(path).rpartition("/")
+        await self._transfer(extract_argv(parent or "/"), tar_file(leaf, data, mode))
+
+    async def _put_dir(self, src: Path, dest: str) -> None:
+        await self._transfer(extract_argv(resolve(dest)), await asyncio.to_thread(tar_dir, src))
+
+    async def _get_file(self, path: str) -> bytes:
+        full = resolve(path)
+        output = base.Output(FILE_LIMIT)
+        code = await self._run([*READ_ARGV, "sh", full], None, output, 600)
+        if code == 2:
+            raise FileNotFoundError(f"no file {full} in sandbox {self.name}")
+        if code != 0:
+            raise OSError(f"{full} in sandbox {self.name} is not a regular file ({code})")
+        return output.stdout_bytes()

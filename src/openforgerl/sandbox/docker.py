@@ -22,18 +22,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import enum
 import logging
 import os
 import shutil
 import socket
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import docker
 import docker.errors
@@ -42,21 +39,21 @@ from docker.utils.socket import frames_iter
 from openforgerl.sandbox import bridge, container
 from openforgerl.sandbox.base import (
     BackendCheck,
-    ExecResult,
+    Counters,
+    Output,
     SandboxError,
-    SandboxInfo,
     SandboxSpec,
     SandboxStartError,
     SandboxUnavailable,
+    read_counter,
+    rewrite_gateway,
 )
+from openforgerl.sandbox.container import MANAGED_BY, RUN, SANDBOX
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
-RUN = "openforgerl.dev/run"
-SANDBOX = "openforgerl.dev/sandbox"
 RUNNER = "openforgerl.dev/runner"  # host:pid of the runner that made it, for `openforge gc`
 INSIDE_RUN = "/run/openforgerl"
 
@@ -100,13 +97,16 @@ class DockerBackend:
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
+    @property
+    def isolation(self) -> str:
+        return f"docker ({self.cfg.runtime})" if self.cfg.runtime else "docker"
+
     def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
         return DockerSandbox(self, spec, name)
 
     def check(self) -> BackendCheck:
         available: dict[str, str] = {}
         missing: dict[str, str] = {}
-        isolation = f"docker ({self.cfg.runtime})" if self.cfg.runtime else "docker"
         try:
             version = self.client.version()
             available["engine"] = f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"
@@ -133,18 +133,11 @@ class DockerBackend:
             missing["engine"] = (
                 f"cannot reach the Docker engine ({e}): is dockerd running, and its socket yours?"
             )
-        return BackendCheck(self.name, isolation, "cgroup", available, missing)
+        return BackendCheck(self.name, self.isolation, "cgroup", available, missing)
 
 
-class _State(enum.Enum):
-    CREATED = "created"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-def _cgroup_counters(pid: int) -> tuple[int, int] | None:
-    """(OOM kills, pids-limit hits) of the cgroup that `pid` is in, read on this host (v1 or v2)."""
+def _cgroup_counters(pid: int) -> Counters | None:
+    """The counters of the cgroup that `pid` is in, read on this host (v1 or v2)."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
@@ -155,52 +148,32 @@ def _cgroup_counters(pid: int) -> tuple[int, int] | None:
         for c in controllers.split(",") if controllers else [""]:
             paths[c] = path
     root = Path("/sys/fs/cgroup")
-
-    def read(file: Path, key: str) -> int:
-        for entry in file.read_text().splitlines():
-            k, _, v = entry.partition(" ")
-            if k == key:
-                return int(v)
-        return 0
-
     try:
         if "memory" in paths:  # v1
-            oom = read(root / "memory" / paths["memory"].lstrip("/") / "memory.oom_control", "oom_kill")
-            pids = read(root / "pids" / paths.get("pids", "/").lstrip("/") / "pids.events", "max")
-            return oom, pids
-        v2 = root / paths.get("", "/").lstrip("/")
-        return read(v2 / "memory.events", "oom_kill"), read(v2 / "pids.events", "max")
+            memory = root / "memory" / paths["memory"].lstrip("/")
+            pids = root / "pids" / paths.get("pids", "/").lstrip("/")
+        else:
+            memory = pids = root / paths.get("", "/").lstrip("/")
+        oom_file = "memory.oom_control" if "memory" in paths else "memory.events"
+        return Counters(
+            read_counter(memory / oom_file, "oom_kill"), read_counter(pids / "pids.events", "max")
+        )
     except (OSError, ValueError):
         return None
 
 
-class DockerSandbox:
+class DockerSandbox(container.ContainerSandbox):
     """A sandbox of `DockerBackend`: see the module's doc."""
 
     def __init__(self, backend: DockerBackend, spec: SandboxSpec, name: str) -> None:
+        super().__init__(
+            spec, name, image=backend.cfg.image, isolation=backend.isolation, backend_name=backend.name
+        )
         self.backend = backend
-        self.spec = spec
-        self.name = name
-        self._state = _State.CREATED
         self._container: Any = None
         self._pid: int | None = None
         self._dir: Path | None = None
         self._bridge: bridge.HostBridge | None = None
-        self._gateway = urlsplit(spec.gateway_url) if spec.gateway_url else None
-
-    @property
-    def workdir(self) -> str:
-        return container.WORKDIR
-
-    @property
-    def tmpdir(self) -> str:
-        return container.TMP
-
-    @property
-    def _inner_port(self) -> int:
-        assert self._gateway is not None
-        port = self._gateway.port or (443 if self._gateway.scheme == "https" else 80)
-        return port if port >= 1024 else 8080  # a low port needs a capability the sandbox lacks
 
     @property
     def _relayed(self) -> bool:
@@ -208,22 +181,7 @@ class DockerSandbox:
 
     @property
     def gateway_url(self) -> str | None:
-        if not self._relayed:
-            return None
-        assert self._gateway is not None
-        return f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}{self._gateway.path}"
-
-    @property
-    def info(self) -> SandboxInfo:
-        isolation = f"docker ({self.backend.cfg.runtime})" if self.backend.cfg.runtime else "docker"
-        return SandboxInfo(self.name, self.backend.name, isolation, "cgroup", self.spec.network)
-
-    async def __aenter__(self) -> DockerSandbox:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+        return self._relay_url if self._relayed else None
 
     def _run_kwargs(self) -> dict[str, Any]:
         cfg, limits = self.backend.cfg, self.spec.limits
@@ -235,9 +193,9 @@ class DockerSandbox:
         if self._relayed:
             assert self._dir is not None
             volumes[str(self._dir)] = {"bind": INSIDE_RUN, "mode": "ro"}
-            relay = [f"{INSIDE_RUN}/bridge.py", str(self._inner_port), f"{INSIDE_RUN}/gw.sock", "--"]
+            relay = [f"{INSIDE_RUN}/bridge.py", str(self._relay_port), f"{INSIDE_RUN}/gw.sock", "--"]
             command = ["python3", "-I", "-S", *relay, *command]
-        env = container.rewrite_gateway(self.spec.env, self.spec.gateway_url, self.gateway_url)
+        env = rewrite_gateway(self.spec.env, self.spec.gateway_url, self.gateway_url)
         kwargs: dict[str, Any] = {
             "image": self.spec.image or cfg.image,
             "command": command,
@@ -272,55 +230,38 @@ class DockerSandbox:
             kwargs["runtime"] = cfg.runtime
         return kwargs
 
-    async def start(self) -> None:
-        if self._state is not _State.CREATED:
-            raise SandboxError(f"sandbox {self.name} is {self._state.value}; it starts once")
-        self._state = _State.RUNNING
+    async def _provision(self) -> None:
         client = self.backend.client
+        if self._relayed:
+            assert self._gateway is not None and self._gateway.hostname
+            self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-"))
+            shutil.copyfile(bridge.__file__, self._dir / "bridge.py")
+            self._bridge = bridge.HostBridge(
+                str(self._dir / "gw.sock"), self._gateway.hostname, self._gateway_port
+            )
+            await self._bridge.start()
+            # The container's uid is not ours: it must be let through to the socket.
+            self._dir.chmod(0o755)
+            (self._dir / "gw.sock").chmod(0o666)
+        kwargs = self._run_kwargs()
         try:
-            if self._relayed:
-                assert self._gateway is not None and self._gateway.hostname
-                self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-"))
-                shutil.copyfile(bridge.__file__, self._dir / "bridge.py")
-                port = self._gateway.port or (443 if self._gateway.scheme == "https" else 80)
-                self._bridge = bridge.HostBridge(str(self._dir / "gw.sock"), self._gateway.hostname, port)
-                await self._bridge.start()
-                # The container's uid is not ours: it must be let through to the socket.
-                self._dir.chmod(0o755)
-                (self._dir / "gw.sock").chmod(0o666)
-            kwargs = self._run_kwargs()
-            try:
-                self._container = await self.backend.call(lambda: client.containers.run(**kwargs))
-            except docker.errors.ImageNotFound as e:
-                raise SandboxUnavailable(f"image {self.backend.cfg.image} is not on the engine: {e}") from e
-            except docker.errors.APIError as e:
-                if e.is_server_error() or e.status_code == 409:
-                    raise SandboxStartError(f"sandbox {self.name}: the engine failed: {e}") from e
-                raise SandboxUnavailable(f"sandbox {self.name}: the engine refused: {e}") from e
-            await self.backend.call(self._container.reload)
-            if self._container.status != "running":
-                logs = await self.backend.call(lambda: self._container.logs(tail=20))
-                raise SandboxUnavailable(
-                    f"sandbox {self.name}: the container exited at once "
-                    f"(python3 in the image is needed to reach the gateway): {logs.decode(errors='replace')}"
-                )
-            self._pid = int(self._container.attrs["State"]["Pid"])
-            done = await self._exec_raw(container.PROBE, None, container.Output(), None)
-            if done[0] != 0 or done[1].stdout.total:
-                missing = done[1].stdout_bytes().decode(errors="replace").split()
-                raise SandboxUnavailable(
-                    f"image {self.backend.cfg.image} lacks {', '.join(missing) or 'a POSIX shell'}"
-                )
-            for root, data in container.tar_files(self.spec.files).items():
-                await self._transfer(container.extract_argv(root), data)
-        except BaseException:
-            await self.stop()
-            raise
+            self._container = await self.backend.call(lambda: client.containers.run(**kwargs))
+        except docker.errors.ImageNotFound as e:
+            raise SandboxUnavailable(f"image {self.backend.cfg.image} is not on the engine: {e}") from e
+        except docker.errors.APIError as e:
+            if e.is_server_error() or e.status_code == 409:
+                raise SandboxStartError(f"sandbox {self.name}: the engine failed: {e}") from e
+            raise SandboxUnavailable(f"sandbox {self.name}: the engine refused: {e}") from e
+        await self.backend.call(self._container.reload)
+        if self._container.status != "running":
+            logs = await self.backend.call(lambda: self._container.logs(tail=20))
+            raise SandboxUnavailable(
+                f"sandbox {self.name}: the container exited at once "
+                f"(python3 in the image is needed to reach the gateway): {logs.decode(errors='replace')}"
+            )
+        self._pid = int(self._container.attrs["State"]["Pid"])
 
-    async def stop(self) -> None:
-        if self._state in (_State.STOPPING, _State.STOPPED):
-            return
-        self._state = _State.STOPPING
+    async def _teardown(self) -> None:
         try:
             if self._container is not None:
                 ctr = self._container
@@ -333,13 +274,8 @@ class DockerSandbox:
                 self._bridge.close()
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
-            self._state = _State.STOPPED
 
-    def _check_open(self) -> None:
-        if self._state is not _State.RUNNING or self._container is None:
-            raise SandboxError(f"sandbox {self.name} is {self._state.value}")
-
-    def _exec_blocking(self, argv: Sequence[str], stdin: bytes | None, output: container.Output) -> int:
+    def _exec_blocking(self, argv: Sequence[str], stdin: bytes | None, output: Output) -> int:
         api = self.backend.client.api
         exec_id = api.exec_create(
             self._container.id, list(argv), stdin=stdin is not None, user=f"{container.UID}:{container.UID}"
@@ -360,12 +296,14 @@ class DockerSandbox:
             raise SandboxStartError(f"sandbox {self.name}: the command's stream ended before it did")
         return int(code)
 
-    async def _exec_raw(
-        self, argv: Sequence[str], stdin: bytes | None, output: container.Output, wait_s: float | None
-    ) -> tuple[int, container.Output]:
+    async def _stream(
+        self, argv: Sequence[str], stdin: bytes | None, output: Output, wait_s: float | None
+    ) -> int:
+        """Docker's exec; what breaks the stream fails the sandbox (SandboxStartError), never StreamLost."""
         try:
-            future = self.backend.call(lambda: self._exec_blocking(argv, stdin, output))
-            return await asyncio.wait_for(future, wait_s), output
+            return await asyncio.wait_for(
+                self.backend.call(lambda: self._exec_blocking(argv, stdin, output)), wait_s
+            )
         except docker.errors.NotFound as e:
             raise SandboxStartError(f"sandbox {self.name}: its container is gone") from e
         except docker.errors.APIError as e:
@@ -375,74 +313,15 @@ class DockerSandbox:
         except TimeoutError as e:
             raise SandboxStartError(f"sandbox {self.name}: no answer {wait_s:.0f} s into the command") from e
 
-    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
-        wrapped = container.wrap(argv, cwd=container.WORKDIR, stdin_len=len(data))
-        code, output = await self._exec_raw(wrapped, data, container.Output(), None)
-        if code != 0:
-            err = output.stderr.text()[0].strip()
-            raise SandboxError(f"sandbox {self.name}: copying in failed ({code}): {err[-500:]}")
+    def _counters(self) -> Counters | None:
+        return _cgroup_counters(self._pid) if self._pid else None
 
-    async def exec(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 (a limit with a result, not a cancel scope)
-        stdin: bytes | str | None = None,
-    ) -> ExecResult:
-        self._check_open()
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise ValueError("empty command")
-        limits = [t for t in (timeout, self.spec.limits.wall_time_s) if t is not None]
-        limit_s = min(limits) if limits else None
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        extra = container.rewrite_gateway(env or {}, self.spec.gateway_url, self.gateway_url)
-        wrapped = container.wrap(
-            argv,
-            cwd=os.path.join(self.workdir, cwd) if cwd else self.workdir,
-            env=extra,
-            limit_s=limit_s,
-            stdin_len=len(data or b""),
-        )
-        before = _cgroup_counters(self._pid) if self._pid else None
-        started = time.monotonic()
-        wait_s = limit_s + container.GRACE_S if limit_s is not None else None
-        code, output = await self._exec_raw(wrapped, data, container.Output(), wait_s)
-        ended = time.monotonic()
-        killed_by = container.ended_by(code, ended - started, limit_s, self._state is not _State.RUNNING)
-        if killed_by is None and code != 0 and before is not None and self._pid:
-            after = _cgroup_counters(self._pid)
-            if after is not None and after[0] > before[0]:
-                killed_by = "oom"
-            elif after is not None and after[1] > before[1]:
-                killed_by = "pids"
-        killed_by = killed_by or container.signal_of(code)
-        return output.result(code, killed_by=killed_by, started=started, ended=ended)
-
-    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        self._check_open()
-        full = container.resolve(path)
-        payload = data.encode() if isinstance(data, str) else data
-        parent, _, base = full.rpartition("/")
-        await self._transfer(container.extract_argv(parent or "/"), container.tar_file(base, payload, mode))
-
-    async def put_dir(self, src: str | Path, dest: str) -> None:
-        self._check_open()
-        full = container.resolve(dest)
-        await self._transfer(container.extract_argv(full), await asyncio.to_thread(container.tar_dir, src))
-
-    async def get_file(self, path: str) -> bytes:
-        self._check_open()
-        full = container.resolve(path)
-        wrapped = container.wrap([*container.READ_ARGV, "sh", full], cwd=container.WORKDIR, limit_s=600)
-        code, output = await self._exec_raw(wrapped, None, container.Output(container.FILE_LIMIT), 660)
-        if code == 2:
-            raise FileNotFoundError(f"no file {full} in sandbox {self.name}")
-        if code != 0:
-            raise OSError(f"{full} in sandbox {self.name} is not a regular file ({code})")
-        return output.stdout_bytes()
+    async def _blame(
+        self, code: int, lost: container.StreamLost | None, before: Counters | None
+    ) -> str | None:
+        if before is None or not self._pid:
+            return None
+        return before.limit_hit(_cgroup_counters(self._pid))
 
 
 def _runner_alive(runner: str) -> bool:

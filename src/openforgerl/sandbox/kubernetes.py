@@ -38,13 +38,10 @@ import json
 import logging
 import math
 import os
-import posixpath
 import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 import aiohttp
@@ -54,28 +51,25 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.stream import WsApiClient
 from pydantic import BaseModel, ConfigDict, Field
 
-from openforgerl.sandbox import container
+from openforgerl.sandbox import base, container
 from openforgerl.sandbox.base import (
     BackendCheck,
-    ExecResult,
     SandboxError,
-    SandboxInfo,
     SandboxSpec,
     SandboxStartError,
     SandboxUnavailable,
+    rewrite_gateway,
 )
+from openforgerl.sandbox.container import MANAGED_BY, RUN, SANDBOX
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
 COMPONENT = "app.kubernetes.io/component"
-RUN = "openforgerl.dev/run"
 ROLLOUT = "openforgerl.dev/rollout"
 NETWORK = "openforgerl.dev/network"
 HEARTBEAT = "openforgerl.dev/heartbeat"
-SANDBOX = "openforgerl.dev/sandbox"
 OURS = f"{MANAGED_BY}=openforgerl"
 CONTAINER = "sandbox"
 # v5 can close stdin; servers that only know v4 pick it, and the wrapper's counted stdin does without.
@@ -228,7 +222,7 @@ def pod_manifest(
             }
         ]
     inside = (cfg.gateway_url or spec.gateway_url) if spec.network != "none" else None
-    env = container.base_env(container.rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
+    env = container.base_env(rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
     size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
     volumes: list[dict[str, Any]] = [
         {"name": "workspace", "emptyDir": dict(size)},
@@ -534,6 +528,10 @@ class KubernetesBackend:
             session, self._session, self._opening = self._session, None, None
             await session.close()
 
+    @property
+    def isolation(self) -> str:
+        return f"pod ({self.cfg.runtime_class})" if self.cfg.runtime_class else "pod"
+
     def create(self, spec: SandboxSpec, name: str) -> KubernetesSandbox:
         if spec.network != "none" and not (self.cfg.gateway_url or spec.gateway_url):
             raise ValueError(f"network={spec.network!r} needs the gateway's URL as Pods reach it")
@@ -552,7 +550,7 @@ class KubernetesBackend:
         cfg = self.cfg
         available: dict[str, str] = {}
         missing: dict[str, str] = {}
-        isolation = f"pod ({cfg.runtime_class})" if cfg.runtime_class else "pod"
+        isolation = self.isolation
         try:
             conf = await load_client_config(cfg.kubeconfig, cfg.context)
         except SandboxUnavailable as e:
@@ -615,44 +613,20 @@ class KubernetesBackend:
         return BackendCheck(self.name, isolation, "cgroup", available, missing)
 
 
-class _State(enum.Enum):
-    CREATED = "created"
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class _StreamLost(Exception):
-    """An exec's stream ended without the command's exit status."""
-
-
-@dataclass(slots=True)
-class _Exec:
-    code: int
-    output: container.Output
-
-
-class KubernetesSandbox:
-    """A sandbox of `KubernetesBackend`: see the module's doc."""
+class KubernetesSandbox(container.ContainerSandbox):
+    """A sandbox of `KubernetesBackend`: see the module's doc. Its network "gateway" (and "host" short
+    of the cluster's private addresses) holds only where deploy/kubernetes' NetworkPolicies are applied
+    (doctor checks it)."""
 
     def __init__(self, backend: KubernetesBackend, spec: SandboxSpec, name: str) -> None:
+        super().__init__(
+            spec, name, image=backend.cfg.image, isolation=backend.isolation, backend_name=backend.name
+        )
         self.backend = backend
-        self.spec = spec
-        self.name = name
         self.pod = pod_name(backend.cfg, name)
-        self._state = _State.CREATED
         self._session: _Session | None = None
         self._holds_slot = False
         self._created = False
-
-    @property
-    def workdir(self) -> str:
-        return container.WORKDIR
-
-    @property
-    def tmpdir(self) -> str:
-        return container.TMP
 
     @property
     def gateway_url(self) -> str | None:
@@ -661,43 +635,17 @@ class KubernetesSandbox:
         return self.backend.cfg.gateway_url or self.spec.gateway_url
 
     @property
-    def info(self) -> SandboxInfo:
-        cfg = self.backend.cfg
-        isolation = f"pod ({cfg.runtime_class})" if cfg.runtime_class else "pod"
-        # "gateway" (and "host" short of the cluster's private addresses) hold only where
-        # deploy/kubernetes' NetworkPolicies are applied (doctor checks it).
-        return SandboxInfo(self.name, self.backend.name, isolation, "cgroup", self.spec.network)
-
-    @property
     def _cfg(self) -> KubernetesConfig:
         return self.backend.cfg
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> KubernetesSandbox:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def start(self) -> None:
-        if self._state is not _State.CREATED:
-            raise SandboxError(f"sandbox {self.name} is {self._state.value}; it starts once")
-        self._state = _State.STARTING
-        try:
-            self._session = await self.backend._acquire()
-            await self._session.pods.acquire()
-            self._holds_slot = True
-            await self._create(self._session)
-            await self._until_ready(self._session)
-            self._state = _State.RUNNING
-            await self._probe()
-            for root, data in container.tar_files(self.spec.files).items():
-                await self._transfer(container.extract_argv(root), data)
-        except BaseException:
-            await self.stop()
-            raise
+    async def _provision(self) -> None:
+        self._session = await self.backend._acquire()
+        await self._session.pods.acquire()
+        self._holds_slot = True
+        await self._create(self._session)
+        await self._until_ready(self._session)
 
     async def _create(self, session: _Session) -> None:
         await session.limiter.wait()
@@ -772,19 +720,7 @@ class KubernetesSandbox:
             f"sandbox {self.name} not ready after {self._cfg.start_timeout_s:.0f} s: {why}"
         )
 
-    async def _probe(self) -> None:
-        done = await self._stream(container.PROBE, None, container.Output())
-        if done.code != 0 or done.output.stdout.total:
-            missing = done.output.stdout_bytes().decode(errors="replace").split()
-            raise SandboxUnavailable(
-                f"image {self._cfg.image} lacks {', '.join(missing) or 'a POSIX shell'}: "
-                f"a container sandbox needs {', '.join(container.TOOLS)}"
-            )
-
-    async def stop(self) -> None:
-        if self._state in (_State.STOPPING, _State.STOPPED):
-            return
-        self._state = _State.STOPPING
+    async def _teardown(self) -> None:
         session, self._session = self._session, None
         try:
             if session is not None and self._created:
@@ -804,19 +740,13 @@ class KubernetesSandbox:
                 if self._holds_slot:
                     session.pods.release()
                 await self.backend._release()
-            self._state = _State.STOPPED
 
     # -- exec ------------------------------------------------------------------------------------
 
-    def _check_open(self) -> _Session:
-        if self._state is not _State.RUNNING or self._session is None:
-            raise SandboxError(f"sandbox {self.name} is {self._state.value}")
-        return self._session
-
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: container.Output, wait_s: float | None = None
-    ) -> _Exec:
-        """Runs argv through the exec API; raises _StreamLost when no exit status came back."""
+        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+    ) -> int:
+        """Runs argv through the exec API; raises StreamLost when no exit status came back."""
         session = self._session
         assert session is not None
         api = session.exec_api
@@ -840,7 +770,7 @@ class KubernetesSandbox:
         except aiohttp.WSServerHandshakeError as e:
             if e.status == 403:
                 raise SandboxUnavailable(f"exec in pod {self.pod} forbidden: {e.message}") from e
-            raise _StreamLost(f"exec refused: {e.status} {e.message}") from e
+            raise container.StreamLost(f"exec refused: {e.status} {e.message}") from e
         status = bytearray()
         try:
             async with asyncio.timeout(wait_s):
@@ -861,111 +791,36 @@ class KubernetesSandbox:
                     elif data[0] == _STATUS:
                         status += data[1:]
         except TimeoutError as e:
-            raise _StreamLost(f"no answer {wait_s:.0f} s into the command") from e
+            raise container.StreamLost(f"no answer {wait_s:.0f} s into the command") from e
         except aiohttp.ClientError as e:
-            raise _StreamLost(f"the exec stream broke: {e}") from e
+            raise container.StreamLost(f"the exec stream broke: {e}") from e
         finally:
             await ws.close()
         if not status:
-            raise _StreamLost("the exec stream ended without an exit status")
-        return _Exec(_exit_code(bytes(status)), output)
+            raise container.StreamLost("the exec stream ended without an exit status")
+        return _exit_code(bytes(status))
 
-    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
-        done = await self._run(argv, data, container.Output(), None)
-        if done.code != 0:
-            err = done.output.stderr.text()[0].strip()
-            raise SandboxError(f"sandbox {self.name}: copying in failed ({done.code}): {err[-500:]}")
-
-    async def _run(
-        self, argv: Sequence[str], stdin: bytes | None, output: container.Output, limit_s: float | None
-    ) -> _Exec:
-        """argv under the wrapper, with a stream lost blamed on the Pod where its state says so."""
-        wrapped = container.wrap(argv, cwd=self.workdir, limit_s=limit_s, stdin_len=len(stdin or b""))
-        wait_s = limit_s + container.GRACE_S if limit_s else None
-        try:
-            return await self._stream(wrapped, stdin, output, wait_s)
-        except _StreamLost as e:
-            raise SandboxStartError(f"sandbox {self.name}: {e}") from e
-
-    async def exec(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 (a limit with a result, not a cancel scope)
-        stdin: bytes | str | None = None,
-    ) -> ExecResult:
-        session = self._check_open()
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise ValueError("empty command")
-        limits = [t for t in (timeout, self.spec.limits.wall_time_s) if t is not None]
-        limit_s = min(limits) if limits else None
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        extra = container.rewrite_gateway(env or {}, self.spec.gateway_url, self.gateway_url)
-        wrapped = container.wrap(
-            argv,
-            cwd=posixpath.join(self.workdir, cwd) if cwd else self.workdir,
-            env=extra,
-            limit_s=limit_s,
-            stdin_len=len(data or b""),
-        )
-        output = container.Output()
-        started = time.monotonic()
-        lost: _StreamLost | None = None
-        try:
-            wait_s = limit_s + container.GRACE_S if limit_s is not None else None
-            code = (await self._stream(wrapped, data, output, wait_s)).code
-        except _StreamLost as e:
-            code, lost = 128 + 9, e  # as good as killed: the Pod says by whom, below
-        elapsed = time.monotonic() - started
-        killed_by = container.ended_by(code, elapsed, limit_s, self._state is not _State.RUNNING)
-        if killed_by is None and code == 128 + 9:
-            killed_by = await self._blame(session, lost)
-        killed_by = killed_by or container.signal_of(code)
-        return output.result(code, killed_by=killed_by, started=started, ended=time.monotonic())
-
-    async def _blame(self, session: _Session, lost: _StreamLost | None) -> str | None:
+    async def _blame(
+        self, code: int, lost: container.StreamLost | None, before: base.Counters | None
+    ) -> str | None:
         """Who killed a command that nothing here killed. The rollout (its memory, the Pod's deadline):
         a result. The cluster (an eviction, a node lost, a deletion): SandboxStartError, retried."""
+        if code != 128 + 9:
+            return None
+        session = self._session
+        if session is None:  # stopped meanwhile: the Pod is gone with its session
+            return "stopped"
         pod = await self._read(session)
         state, why = assess(pod) if pod is not None else (PodState.INFRA, f"pod {self.pod} is gone")
         if state is PodState.OOM:
             return "oom"
         if state is PodState.DEADLINE:
             return "wall-time"
-        if self._state is not _State.RUNNING:
+        if self._state is not base.State.RUNNING:
             return "stopped"
         if state is PodState.INFRA or lost is not None:
             raise SandboxStartError(f"sandbox {self.name}: {why}; {lost or 'command killed'}")
         return None
-
-    # -- files -----------------------------------------------------------------------------------
-
-    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        self._check_open()
-        full = container.resolve(path)
-        payload = data.encode() if isinstance(data, str) else data
-        parent, _, base = full.rpartition("/")
-        await self._transfer(container.extract_argv(parent or "/"), container.tar_file(base, payload, mode))
-
-    async def put_dir(self, src: str | Path, dest: str) -> None:
-        self._check_open()
-        full = container.resolve(dest)
-        await self._transfer(container.extract_argv(full), await asyncio.to_thread(container.tar_dir, src))
-
-    async def get_file(self, path: str) -> bytes:
-        self._check_open()
-        full = container.resolve(path)
-        done = await self._run(
-            [*container.READ_ARGV, "sh", full], None, container.Output(container.FILE_LIMIT), 600
-        )
-        if done.code == 2:
-            raise FileNotFoundError(f"no file {full} in sandbox {self.name}")
-        if done.code != 0:
-            raise OSError(f"{full} in sandbox {self.name} is not a regular file ({done.code})")
-        return done.output.stdout_bytes()
 
 
 def _exit_code(status: bytes) -> int:
@@ -973,13 +828,13 @@ def _exit_code(status: bytes) -> int:
     try:
         doc = json.loads(status)
     except ValueError as e:
-        raise _StreamLost(f"unreadable exec status {status[:200]!r}") from e
+        raise container.StreamLost(f"unreadable exec status {status[:200]!r}") from e
     if doc.get("status") == "Success":
         return 0
     for cause in (doc.get("details") or {}).get("causes") or []:
         if cause.get("reason") == "ExitCode":
             return int(cause["message"])
-    raise _StreamLost(f"the command did not run: {doc.get('message', doc)}")
+    raise container.StreamLost(f"the command did not run: {doc.get('message', doc)}")
 
 
 # -- garbage collection ---------------------------------------------------------------------------

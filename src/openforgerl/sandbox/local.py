@@ -2,8 +2,18 @@
 
 Each exec is one bwrap run over the sandbox's own work dir, HOME and /tmp (host temp dirs that persist
 between execs): new user, pid, net, ipc, uts and cgroup namespaces; a root holding only the read-only
-system dirs (/usr, /etc minus what other users may not read, the lib links) and the spec's binds; uid
-1000, no capabilities. The pid namespace dies with its command, so nothing one exec starts outlives it.
+system dirs (/usr, /etc, the lib links) and the spec's binds, minus its hidden paths; uid 1000, no
+capabilities, and the seccomp filter of seccomp.py (ptrace, mount, namespaces, bpf, io_uring... fail
+with EPERM). The pid namespace dies with its command, so nothing one exec starts outlives it.
+
+Who uid 1000 is on the host: a root runner drops to `host_user` (nobody:nogroup by default) before
+bwrap starts (setpriv: no capabilities, no other groups, no_new_privs), so the kernel's own checks keep
+from the agent every file that other users may not read, under /etc and under every bind alike (a
+0600 file in the venv, a 0700 dir in the package). The sandbox's work dir, HOME and /tmp belong to that
+uid, and so does every file the runner puts there. bwrap resolves its binds as that uid too: a bind the
+uid could not reach (the interpreter under a 0700 /root) is first bound by root onto a mount point it
+can reach, in a mount namespace of the exec's own. A runner that is not root runs sandboxes as itself,
+and masks /etc where other users may not read instead.
 With network "gateway" the command's loopback has a relay (bridge.py) to a Unix socket that the host
 end forwards to the gateway; nothing else is reachable. With network "host" (for tasks on live web
 sites) the command shares the host's network namespace: it reaches the internet, the gateway at its
@@ -21,13 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import errno
 import logging
 import math
 import os
 import posixpath
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -36,20 +46,26 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlsplit
 
 from openforgerl.sandbox import bridge
+from openforgerl.sandbox import seccomp as seccomp_filter
 from openforgerl.sandbox.base import (
+    OUTPUT_LIMIT,
     BackendCheck,
+    Counters,
     ExecResult,
     Limits,
+    Output,
+    Sandbox,
     SandboxError,
     SandboxInfo,
     SandboxSpec,
     SandboxStartError,
     SandboxUnavailable,
+    State,
+    read_counter,
+    rewrite_gateway,
 )
 
 log = logging.getLogger(__name__)
@@ -58,7 +74,9 @@ INSIDE_WORKDIR = "/workspace"
 INSIDE_HOME = "/home/sandbox"
 INSIDE_RUN = "/run/openforgerl"
 SANDBOX_UID = 1000
-OUTPUT_LIMIT = 1 << 20
+# The host uid:gid that sandboxes run as when the runner is root (nobody:nogroup unless this is set).
+HOST_USER_ENV = "OPENFORGERL_SANDBOX_USER"
+DEFAULT_HOST_USER = (65534, 65534)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -71,21 +89,15 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
 # Joins the cgroups named before "--", then execs the rest: Python's subprocess has no cgroup option,
 # and preexec_fn is unsafe in a threaded runner.
 _JOIN_CGROUPS = 'for f do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; shift; exec "$@"'
-_PASSWD = f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{INSIDE_HOME}:/bin/sh\n"
-_GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n"
-
-
-class _State(enum.Enum):
-    CREATED = "created"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-@dataclass(slots=True, frozen=True)
-class _Counters:
-    oom_kills: int
-    pids_hits: int
+# Binds each (source, mount point) pair given before "--" in a mount namespace of its own, then
+# execs the rest: what the sandbox's uid may not reach on the host (an interpreter under /root) it
+# reaches through mount points it can (in the sandbox's dir). Run by root, before the uid is dropped.
+_STAGE = 'while [ "$1" != -- ]; do {mount} --bind "$1" "$2" || exit 125; shift 2; done; shift; exec "$@"'
+_PASSWD = (
+    f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{INSIDE_HOME}:/bin/sh\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n"
+)
+_GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 
 
 class _Cgroup:
@@ -132,21 +144,14 @@ class _Cgroup:
     def _write(self, controller: str, key: str, value: int) -> None:
         (self.dirs[controller] / key).write_text(str(value))
 
-    def _read_key(self, controller: str, file: str, key: str) -> int:
-        for line in (self.dirs[controller] / file).read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if k == key:
-                return int(v)
-        return 0
-
     @property
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs.values()]
 
-    def counters(self) -> _Counters:
-        return _Counters(
-            oom_kills=self._read_key("memory", "memory.oom_control", "oom_kill"),
-            pids_hits=self._read_key("pids", "pids.events", "max"),
+    def counters(self) -> Counters:
+        return Counters(
+            oom_kills=read_counter(self.dirs["memory"] / "memory.oom_control", "oom_kill"),
+            pids_hits=read_counter(self.dirs["pids"] / "pids.events", "max"),
         )
 
     def pids(self) -> set[int]:
@@ -185,45 +190,18 @@ class _Cgroup:
         self.dirs.clear()
 
 
-class _Capture:
-    """A stream's first and last `limit / 2` bytes, so a flooding command cannot eat the runner's memory."""
-
-    def __init__(self, limit: int) -> None:
-        self._half = limit // 2
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, chunk: bytes) -> None:
-        self.total += len(chunk)
-        room = self._half - len(self.head)
-        if room > 0:
-            self.head += chunk[:room]
-            chunk = chunk[room:]
-        self.tail += chunk
-        if len(self.tail) > self._half:
-            del self.tail[: len(self.tail) - self._half]
-
-    def text(self) -> tuple[str, bool]:
-        omitted = self.total - len(self.head) - len(self.tail)
-        if omitted <= 0:
-            return (self.head + self.tail).decode(errors="replace"), False
-        marker = f"\n[... {omitted} bytes omitted ...]\n"
-        return self.head.decode(errors="replace") + marker + self.tail.decode(errors="replace"), True
-
-
 class _Command(asyncio.SubprocessProtocol):
     """One exec's output and exit. Not asyncio's Process: on Python 3.11 its wait() also waits for the
     pipes to close, which a daemon the command left behind can hold open forever."""
 
     def __init__(self, output_limit: int) -> None:
         loop = asyncio.get_running_loop()
-        self.output = {1: _Capture(output_limit), 2: _Capture(output_limit)}
+        self.output = Output(output_limit)
         self.exited = loop.create_future()
         self.closed = loop.create_future()
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
-        self.output[fd].feed(data)
+        (self.output.stdout if fd == 1 else self.output.stderr).feed(data)
 
     def process_exited(self) -> None:
         self.exited.set_result(None)
@@ -232,28 +210,38 @@ class _Command(asyncio.SubprocessProtocol):
         self.closed.set_result(None)
 
 
-def _dir_beneath(root: Path, parts: Sequence[str], create: bool) -> int:
+# Who owns what the runner writes into a sandbox: (uid, gid) on the host, or None to leave it the
+# runner's (which is then the sandbox's own uid).
+Owner = tuple[int, int] | None
+
+
+def _dir_beneath(root: Path, parts: Sequence[str], create: bool, owner: Owner = None) -> int:
     """An fd for root/parts, refusing symlinks on the way: the sandbox owns these dirs, and the runner
-    must never read or write through a link it planted (docker cp's CVE-2018-15664)."""
+    must never read or write through a link it planted (docker cp's CVE-2018-15664). Dirs it creates
+    are given to `owner`."""
     fd = os.open(root, _DIR_FLAGS)
     try:
         for part in parts:
+            made = False
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    made = True
             child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = child
+            if made and owner is not None:
+                os.fchown(fd, *owner)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _open_beneath(root: Path, rel: PurePosixPath, flags: int, mode: int = 0o644) -> int:
+def _open_beneath(root: Path, rel: PurePosixPath, flags: int, mode: int = 0o644, owner: Owner = None) -> int:
     if not rel.parts:
         raise IsADirectoryError(f"{root} is a directory")
-    parent = _dir_beneath(root, rel.parts[:-1], create=bool(flags & os.O_CREAT))
+    parent = _dir_beneath(root, rel.parts[:-1], create=bool(flags & os.O_CREAT), owner=owner)
     try:
         # O_NONBLOCK: a FIFO planted in place of a file must not hang the runner.
         fd = os.open(rel.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=parent)
@@ -265,10 +253,12 @@ def _open_beneath(root: Path, rel: PurePosixPath, flags: int, mode: int = 0o644)
     return fd
 
 
-def _write_beneath(root: Path, rel: PurePosixPath, data: bytes, mode: int) -> None:
-    fd = _open_beneath(root, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def _write_beneath(root: Path, rel: PurePosixPath, data: bytes, mode: int, owner: Owner = None) -> None:
+    fd = _open_beneath(root, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode, owner)
     with open(fd, "wb") as f:
         f.write(data)
+        if owner is not None:
+            os.fchown(fd, *owner)
         os.fchmod(fd, mode)
 
 
@@ -277,13 +267,13 @@ def _read_beneath(root: Path, rel: PurePosixPath) -> bytes:
         return f.read()
 
 
-def _copy_tree_beneath(src: Path, root: Path, rel: PurePosixPath) -> None:
+def _copy_tree_beneath(src: Path, root: Path, rel: PurePosixPath, owner: Owner = None) -> None:
     if not src.is_dir():
         raise NotADirectoryError(f"{src} is not a directory")
-    os.close(_dir_beneath(root, rel.parts, create=True))
+    os.close(_dir_beneath(root, rel.parts, create=True, owner=owner))
     for dirpath, dirnames, filenames in os.walk(src):
         sub = rel / Path(dirpath).relative_to(src).as_posix()
-        parent = _dir_beneath(root, sub.parts, create=True)
+        parent = _dir_beneath(root, sub.parts, create=True, owner=owner)
         try:
             for name in [*dirnames, *filenames]:
                 host = Path(dirpath, name)
@@ -291,13 +281,20 @@ def _copy_tree_beneath(src: Path, root: Path, rel: PurePosixPath) -> None:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=parent)
                     os.symlink(os.readlink(host), name, dir_fd=parent)
+                    if owner is not None:
+                        os.chown(name, *owner, dir_fd=parent, follow_symlinks=False)
                 elif host.is_dir():
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(name, 0o755, dir_fd=parent)
+                        if owner is not None:
+                            os.chown(name, *owner, dir_fd=parent, follow_symlinks=False)
                 else:
-                    fd = _open_beneath(root, sub / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                    fd = _open_beneath(root, sub / name, flags, owner=owner)
                     with open(fd, "wb") as out, host.open("rb") as inp:
                         shutil.copyfileobj(inp, out)
+                        if owner is not None:
+                            os.fchown(fd, *owner)
                         os.fchmod(fd, stat.S_IMODE(host.stat().st_mode))
         finally:
             os.close(parent)
@@ -352,8 +349,41 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _host_user(value: str) -> tuple[int, int]:
+    """uid[:gid] (the gid defaults to the uid) as HOST_USER_ENV gives it."""
+    uid, _, gid = value.partition(":")
+    try:
+        user = (int(uid), int(gid or uid))
+    except ValueError:
+        raise ValueError(f"{HOST_USER_ENV} must be uid[:gid], not {value!r}") from None
+    if min(user) < 0:
+        raise ValueError(f"{HOST_USER_ENV} must be uid[:gid], not {value!r}")
+    return user
+
+
+def _reachable(path: str, user: tuple[int, int]) -> bool:
+    """Whether `user` (no supplementary groups) may look up `path`: search permission on every dir
+    above it. bwrap resolves its bind sources as the uid it runs as."""
+    uid, gid = user
+    parent = os.path.dirname(path)
+    while True:
+        st = os.stat(parent)
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid == gid else stat.S_IXOTH
+        if not st.st_mode & bit:
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
 class LocalBackend:
-    """Sandboxes on this machine. bwrap/cgroups: None detects them, True requires them, False skips them."""
+    """Sandboxes on this machine. bwrap/cgroups: None detects them, True requires them, False skips them.
+
+    `host_user`: the host (uid, gid) that sandboxes run as when the runner is root; None takes
+    OPENFORGERL_SANDBOX_USER (uid[:gid]) or else 65534:65534 (nobody:nogroup). A uid of 0 keeps them
+    root, as they were before: then root-only files under the binds are readable inside. A runner that
+    is not root runs them as itself. `seccomp`: load sandbox/seccomp.py's filter into every command.
+    """
 
     name = "local"
 
@@ -365,6 +395,8 @@ class LocalBackend:
         state_dir: str | Path | None = None,
         cgroup_root: str | Path = "/sys/fs/cgroup",
         output_limit: int = OUTPUT_LIMIT,
+        host_user: tuple[int, int] | None = None,
+        seccomp: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir) if state_dir else None
         self.cgroup_root = Path(cgroup_root)
@@ -372,6 +404,12 @@ class LocalBackend:
         self._available: dict[str, str] = {}
         self._missing: dict[str, str] = {}
         self.bwrap = self._find_bwrap(bwrap)
+        self.host_user: tuple[int, int] | None = None
+        self.drop_argv: list[str] = []  # setpriv and its args: becomes host_user, with no privileges
+        self.stage_argv: list[str] = []  # unshare and the staging script (see _STAGE)
+        if self.bwrap:
+            self._find_host_user(host_user)
+        self.seccomp_program = self._seccomp_program(seccomp) if self.bwrap else None
         self.bwrap_base = self._bwrap_base() if self.bwrap else []
         self.cgroups = self._probe_cgroups(cgroups)
         self.prlimit = shutil.which("prlimit") if not self.cgroups else None
@@ -415,6 +453,75 @@ class LocalBackend:
             raise SandboxUnavailable(self._missing["bwrap"])
         return None
 
+    def _find_host_user(self, want: tuple[int, int] | None) -> None:
+        """Sets host_user and the commands that drop to it, where the runner is root and can."""
+        if os.geteuid() != 0:
+            self._available["user"] = f"sandboxes run as the runner's own uid {os.geteuid()}"
+            return
+        env = os.environ.get(HOST_USER_ENV)
+        user = want if want is not None else _host_user(env) if env else DEFAULT_HOST_USER
+        if user[0] == 0:
+            self._missing["user"] = (
+                "sandboxes run as host root (by configuration): root-only files are readable"
+            )
+            log.warning(
+                "sandboxes run as host root: files only root may read, under every bind, are readable"
+            )
+            return
+        tools = {t: shutil.which(t) for t in ("setpriv", "unshare", "mount")}
+        lacking = [t for t, path in tools.items() if path is None]
+        drop = [str(tools["setpriv"]), f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups"]
+        drop += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        stage = [str(tools["unshare"]), "--mount", "--propagation", "private", "--"]
+        stage += ["/bin/sh", "-c", _STAGE.format(mount=shlex.quote(str(tools["mount"]))), "sh"]
+        problem = f"{', '.join(lacking)} not found (Debian packages util-linux, mount)" if lacking else ""
+        if not problem:
+            assert self.bwrap
+            # The whole chain an exec uses, once: a kernel or policy that refuses unprivileged user
+            # namespaces (or mount namespaces to root) shows here, not in every sandbox.
+            probe = subprocess.run(
+                [
+                    *stage[:5],
+                    *drop,
+                    self.bwrap,
+                    "--unshare-all",
+                    "--unshare-user",
+                    "--ro-bind",
+                    "/",
+                    "/",
+                    "true",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if probe.returncode != 0:
+                problem = probe.stderr.strip() or f"exit {probe.returncode}"
+        if problem:
+            self._missing["user"] = (
+                f"cannot run sandboxes as host uid {user[0]} ({problem}): they run as host root, "
+                "and root-only files under the binds are readable inside"
+            )
+            log.warning("sandboxes run as host root: %s", self._missing["user"])
+            return
+        self.host_user, self.drop_argv, self.stage_argv = user, drop, stage
+        self._available["user"] = (
+            f"sandboxes run as host uid {user[0]}, gid {user[1]} (no capabilities, no other groups): "
+            "files other users may not read stay unreadable under every bind"
+        )
+
+    def _seccomp_program(self, want: bool) -> bytes | None:
+        if not want:
+            self._missing["seccomp"] = "disabled by configuration"
+            return None
+        program = seccomp_filter.program()
+        if program is None:
+            self._missing["seccomp"] = f"no system call table for {os.uname().machine}: no filter"
+            return None
+        n = len(seccomp_filter.SYSCALLS[str(seccomp_filter.native_arch())])
+        self._available["seccomp"] = f"{n} system calls fail with EPERM (openforgerl.sandbox.seccomp)"
+        return program
+
     def _probe_cgroups(self, want: bool | None) -> bool:
         if want is False:
             self._missing["cgroups"] = "disabled by configuration"
@@ -443,7 +550,7 @@ class LocalBackend:
 
     def _bwrap_base(self) -> list[str]:
         """The bwrap args every sandbox shares: namespaces, identity, and the read-only system (/usr, the
-        lib and bin links, /etc minus what other users may not read)."""
+        lib and bin links, /etc: without host_user, masked where other users may not read)."""
         assert self.bwrap
         args = [self.bwrap, "--unshare-all", "--unshare-user"]
         # bwrap >= 0.8 can forbid nested user namespaces, the usual door to kernel exploits.
@@ -459,6 +566,8 @@ class LocalBackend:
                 args += ["--symlink", os.readlink(d), d]
             elif os.path.isdir(d):
                 args += ["--ro-bind", d, d]
+        if self.host_user is not None:
+            return args  # the kernel keeps from the sandbox's uid what other users may not read
         files, dirs = _unreadable_under("/etc")
         for f in files:
             args += ["--ro-bind", os.devnull, f]
@@ -491,19 +600,23 @@ class LocalBackend:
         return LocalSandbox(self, spec, name)
 
 
-class LocalSandbox:
+class LocalSandbox(Sandbox):
     """A sandbox of `LocalBackend`: see the module's doc."""
 
     def __init__(self, backend: LocalBackend, spec: SandboxSpec, name: str) -> None:
+        super().__init__(spec, name)
         self.backend = backend
-        self.spec = spec
-        self.name = name
-        self._state = _State.CREATED
         self._dir: Path | None = None
         self._cgroup: _Cgroup | None = None
         self._bridge: bridge.HostBridge | None = None
         self._running: dict[asyncio.SubprocessTransport, _Command] = {}
-        self._gateway = urlsplit(spec.gateway_url) if spec.gateway_url else None
+        # Set at start: the host path bwrap binds the sandbox's dir from, the bwrap args for the
+        # spec's binds and hidden paths, and the (host path, mount point) pairs staged for a uid that
+        # cannot reach them (see _STAGE).
+        self._dir_source = ""
+        self._mounts: list[str] = []
+        self._staged: list[tuple[str, str]] = []
+        self._stage_dir: Path | None = None  # where the staged mount points are
 
     # -- where things are -------------------------------------------------------------------------
 
@@ -535,16 +648,6 @@ class LocalSandbox:
         return INSIDE_HOME if self._isolated else str(self._host("home"))
 
     @property
-    def _gateway_port(self) -> int:
-        assert self._gateway is not None
-        return self._gateway.port or (443 if self._gateway.scheme == "https" else 80)
-
-    @property
-    def _inner_port(self) -> int:
-        # Ports below 1024 need a capability the sandbox does not have.
-        return self._gateway_port if self._gateway_port >= 1024 else 8080
-
-    @property
     def _bridged(self) -> bool:
         return self._isolated and self.spec.network == "gateway"
 
@@ -554,7 +657,7 @@ class LocalSandbox:
             return None
         if not self._bridged:  # network "host", or no isolation: the host's own address
             return self.spec.gateway_url
-        return f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}{self._gateway.path}"
+        return self._relay_url
 
     @property
     def info(self) -> SandboxInfo:
@@ -580,50 +683,139 @@ class LocalSandbox:
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> LocalSandbox:
-        await self.start()
-        return self
+    async def _provision(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-", dir=self.backend.state_dir))
+        owner = self._owner
+        for sub in ("work", "home", "tmp", "run"):
+            (self._dir / sub).mkdir()
+        if owner is not None:
+            # The sandbox's uid may pass through its dir (the group's x bit), not list it; what it
+            # writes is its own, the rest (run: passwd, the bridge) stays root's and read-only.
+            os.chown(self._dir, -1, owner[1])
+            os.chmod(self._dir, 0o710)
+            for sub in ("work", "home", "tmp"):
+                os.chown(self._dir / sub, *owner)
+                os.chmod(self._dir / sub, 0o700)
+            os.chmod(self._dir / "run", 0o755)
+        if self.backend.cgroups:
+            self._cgroup = _Cgroup.create(self.backend.cgroup_root, self.name, self.spec.limits)
+        if self._isolated:
+            run = self._dir / "run"
+            for file, text in (("passwd", _PASSWD), ("group", _GROUP)):
+                (run / file).write_text(text)
+                (run / file).chmod(0o644)
+            self._plan_mounts()
+        if self._bridged:
+            run = self._dir / "run"
+            shutil.copyfile(bridge.__file__, run / "bridge.py")
+            (run / "bridge.py").chmod(0o644)
+            assert self._gateway is not None and self._gateway.hostname
+            sock = str(run / "gw.sock")
+            self._bridge = bridge.HostBridge(sock, self._gateway.hostname, self._gateway_port)
+            await self._bridge.start()
+            if owner is not None:
+                # Connecting to a Unix socket takes write permission on it.
+                os.chown(sock, *owner)
+                os.chmod(sock, 0o600)
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+    async def _ready(self) -> None:
+        for path, data in self.spec.files.items():
+            await self.put_file(path, data)
+        probe = await self.exec(["true"], timeout=60)
+        if not probe.ok:
+            raise SandboxStartError(f"sandbox {self.name} cannot run commands: {probe.stderr.strip()}")
 
-    async def start(self) -> None:
-        if self._state is not _State.CREATED:
-            raise SandboxError(f"sandbox {self.name} is {self._state.value}; it starts once")
-        self._state = _State.RUNNING
-        try:
-            self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-", dir=self.backend.state_dir))
-            for sub in ("work", "home", "tmp", "run"):
-                (self._dir / sub).mkdir()
-            if self.backend.cgroups:
-                self._cgroup = _Cgroup.create(self.backend.cgroup_root, self.name, self.spec.limits)
-            if self._isolated:
-                run = self._dir / "run"
-                (run / "passwd").write_text(_PASSWD)
-                (run / "group").write_text(_GROUP)
-            if self._bridged:
-                run = self._dir / "run"
-                shutil.copyfile(bridge.__file__, run / "bridge.py")
-                assert self._gateway is not None and self._gateway.hostname
-                sock = str(run / "gw.sock")
-                self._bridge = bridge.HostBridge(sock, self._gateway.hostname, self._gateway_port)
-                await self._bridge.start()
-            for path, data in self.spec.files.items():
-                await self.put_file(path, data)
-            probe = await self.exec(["true"], timeout=60)
-            if not probe.ok:
-                raise SandboxStartError(f"sandbox {self.name} cannot run commands: {probe.stderr.strip()}")
-        except OSError as e:
-            await self.stop()
-            raise SandboxStartError(f"sandbox {self.name} failed to start: {e}") from e
-        except BaseException:
-            await self.stop()
-            raise
+    def _start_failure(self, error: BaseException) -> BaseException | None:
+        if isinstance(error, OSError):
+            return SandboxStartError(f"sandbox {self.name} failed to start: {error}")
+        return None
 
-    async def stop(self) -> None:
-        if self._state in (_State.STOPPING, _State.STOPPED):
-            return
-        self._state = _State.STOPPING
+    @property
+    def _owner(self) -> tuple[int, int] | None:
+        """Who owns what the runner writes into the sandbox, where that is not the runner itself."""
+        return self.backend.host_user if self._isolated else None
+
+    def _source(self, path: str) -> str:
+        """The path bwrap binds `path` from: itself, or a mount point in the sandbox's dir that the
+        launcher binds it on first (see _STAGE) where the sandbox's uid could not reach it."""
+        user = self.backend.host_user
+        if user is None:
+            return path
+        real = os.path.realpath(path)
+        if _reachable(real, user):
+            return real
+        stage = self._stage_root(user) / str(len(self._staged))
+        if os.path.isdir(real):
+            stage.mkdir(mode=0o755)
+        else:
+            stage.touch(mode=0o644)
+        self._staged.append((real, str(stage)))
+        return str(stage)
+
+    def _stage_root(self, user: tuple[int, int]) -> Path:
+        """The dir of the staged mount points: in the sandbox's dir, or, where the sandbox's uid
+        cannot reach that (a state dir under /root), one of its own in a temp dir it can reach."""
+        if self._stage_dir is None:
+            assert self._dir is not None
+            if _reachable(str(self._dir / "stage"), user):
+                self._stage_dir = self._dir / "stage"
+                self._stage_dir.mkdir()
+            else:
+                for base in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+                    if os.path.isdir(base) and _reachable(os.path.join(base, "x"), user):
+                        self._stage_dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-", dir=base))
+                        break
+                else:
+                    raise SandboxStartError(f"no temp dir that uid {user[0]} can reach, to bind from")
+            self._stage_dir.chmod(0o755)
+        return self._stage_dir
+
+    def _plan_mounts(self) -> None:
+        """What every exec mounts besides the system: the spec's read-only binds, then an empty dir
+        (a read-only tmpfs) or /dev/null over each of its hidden paths, then the binds that lie inside
+        a hidden path (so a hidden package can show a few of its files)."""
+        assert self._dir is not None
+        self._dir_source = self._source(str(self._dir))
+        binds = [(p, p) if isinstance(p, str) else p for p in self.spec.ro_binds]
+        python = os.path.realpath(sys.executable)
+        if self._bridged and not python.startswith("/usr/"):
+            prefix = os.path.realpath(sys.base_prefix)
+            binds.append((prefix, prefix))
+        hidden = [os.path.realpath(h) for h in self.spec.hidden if os.path.exists(h)]
+
+        def within(path: str, top: str) -> str | None:
+            """path's place below top ("" for top itself), or None."""
+            if path == top:
+                return ""
+            return path[len(top) :] if path.startswith(top.rstrip("/") + "/") else None
+
+        outer: list[tuple[str, str]] = []
+        inner: list[tuple[str, str]] = []
+        for src, dst in binds:
+            real = os.path.realpath(src)
+            shown = any(within(real, h) not in (None, "") for h in hidden)
+            (inner if shown else outer).append((real, dst))
+        masks: list[str] = []
+        read_only: list[str] = []
+        for h in hidden:
+            for real, dst in outer:
+                rest = within(h, real)
+                if rest is None:
+                    continue
+                inside = dst.rstrip("/") + rest if rest else dst
+                if inside in masks:
+                    continue  # seen through two binds (a package inside a bound venv)
+                if os.path.isdir(h):
+                    masks += ["--tmpfs", inside]
+                    read_only += ["--remount-ro", inside]
+                else:
+                    masks += ["--ro-bind", os.devnull, inside]
+        self._mounts = [arg for real, dst in outer for arg in ("--ro-bind", self._source(real), dst)]
+        self._mounts += masks
+        self._mounts += [arg for real, dst in inner for arg in ("--ro-bind", self._source(real), dst)]
+        self._mounts += read_only
+
+    async def _teardown(self) -> None:
         errors: list[BaseException] = []
         for transport in list(self._running):
             self._kill_tree(transport)
@@ -636,48 +828,36 @@ class LocalSandbox:
                 await self._cgroup.destroy()
             except OSError as e:
                 errors.append(e)
-        if self._dir is not None:
-            try:
-                await asyncio.to_thread(_rmtree, self._dir)
-            except OSError as e:
-                errors.append(e)
-        self._state = _State.STOPPED
+        for path in (self._dir, self._stage_dir):
+            if path is not None:
+                try:
+                    await asyncio.to_thread(_rmtree, path)
+                except OSError as e:
+                    errors.append(e)
         if errors:
             raise SandboxError(f"sandbox {self.name} left traces behind: {errors}")
 
     # -- files -----------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._state is not _State.RUNNING:
-            raise SandboxError(f"sandbox {self.name} is {self._state.value}")
-
-    async def put_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        self._check_open()
+    async def _put_file(self, path: str, data: bytes, mode: int) -> None:
         root, rel = self._resolve(path)
-        payload = data.encode() if isinstance(data, str) else data
-        await asyncio.to_thread(_write_beneath, root, rel, payload, mode)
+        await asyncio.to_thread(_write_beneath, root, rel, data, mode, self._owner)
 
-    async def put_dir(self, src: str | Path, dest: str) -> None:
-        self._check_open()
+    async def _put_dir(self, src: Path, dest: str) -> None:
         root, rel = self._resolve(dest)
-        await asyncio.to_thread(_copy_tree_beneath, Path(src), root, rel)
+        await asyncio.to_thread(_copy_tree_beneath, src, root, rel, self._owner)
 
-    async def get_file(self, path: str) -> bytes:
-        self._check_open()
+    async def _get_file(self, path: str) -> bytes:
         root, rel = self._resolve(path)
         return await asyncio.to_thread(_read_beneath, root, rel)
 
     # -- exec ------------------------------------------------------------------------------------
 
-    def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+    def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
         # Never the runner's own environment: it holds the runner's secrets.
         env = {"PATH": DEFAULT_PATH, "HOME": self._home, "USER": "sandbox", "LOGNAME": "sandbox"}
-        env |= {"LANG": "C.UTF-8", "TMPDIR": self.tmpdir, **self.spec.env, **(extra or {})}
-        if self._bridged and self._gateway is not None:
-            outside = f"{self._gateway.scheme}://{self._gateway.netloc}"
-            inside = f"{self._gateway.scheme}://127.0.0.1:{self._inner_port}"
-            env = {k: v.replace(outside, inside) for k, v in env.items()}
-        return env
+        env |= {"LANG": "C.UTF-8", "TMPDIR": self.tmpdir, **self.spec.env, **extra}
+        return rewrite_gateway(env, self.spec.gateway_url, self.gateway_url)
 
     def _launcher(self) -> list[str]:
         """Joins the cgroups (or takes the rlimits) that every process of the command inherits."""
@@ -697,28 +877,41 @@ class LocalSandbox:
             argv.append("--")
         return argv
 
-    def _bwrap_argv(self, argv: list[str], cwd: str) -> list[str]:
-        assert self._dir is not None
-        run = self._dir / "run"
-        args = [*self.backend.bwrap_base, "--ro-bind", str(run / "passwd"), "/etc/passwd"]
-        args += ["--ro-bind", str(run / "group"), "/etc/group"]
+    def _drop(self) -> list[str]:
+        """Root's last steps before bwrap, with host_user: the staging binds, then setpriv."""
+        backend = self.backend
+        if backend.host_user is None:
+            return []
+        stage = []
+        if self._staged:
+            stage = [*backend.stage_argv, *(p for pair in self._staged for p in pair), "--"]
+        return stage + backend.drop_argv
+
+    def _bwrap_argv(self, argv: list[str], cwd: str, seccomp_fd: int | None) -> list[str]:
+        top = self._dir_source
+        args = [*self.backend.bwrap_base]
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
+        args += [
+            "--ro-bind",
+            f"{top}/run/passwd",
+            "/etc/passwd",
+            "--ro-bind",
+            f"{top}/run/group",
+            "/etc/group",
+        ]
         if self.spec.network == "host":
             # After --unshare-all: keeps the host's network namespace (and only that).
             args.append("--share-net")
             args += _resolver_binds()
-        binds = [(p, p) if isinstance(p, str) else p for p in self.spec.ro_binds]
-        python = os.path.realpath(sys.executable)
-        if self._bridged and not python.startswith("/usr/"):
-            prefix = os.path.realpath(sys.base_prefix)
-            binds.append((prefix, prefix))
-        args += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self._dir / "work"), INSIDE_WORKDIR]
-        args += ["--bind", str(self._dir / "home"), INSIDE_HOME, "--bind", str(self._dir / "tmp"), "/tmp"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--bind", f"{top}/work", INSIDE_WORKDIR]
+        args += ["--bind", f"{top}/home", INSIDE_HOME, "--bind", f"{top}/tmp", "/tmp"]
         # After /tmp and HOME: a bind below them (a venv checked out under /tmp) must stay visible.
-        for src, dst in binds:
-            args += ["--ro-bind", src, dst]
-        args += ["--ro-bind", str(run), INSIDE_RUN, "--remount-ro", "/", "--chdir", cwd, "--"]
+        args += self._mounts
+        args += ["--ro-bind", f"{top}/run", INSIDE_RUN, "--remount-ro", "/", "--chdir", cwd, "--"]
         if self._bridged:
-            args += [python, "-I", "-S", f"{INSIDE_RUN}/bridge.py", str(self._inner_port)]
+            python = os.path.realpath(sys.executable)
+            args += [python, "-I", "-S", f"{INSIDE_RUN}/bridge.py", str(self._relay_port)]
             args += [f"{INSIDE_RUN}/gw.sock", "--"]
         return args + argv
 
@@ -741,18 +934,17 @@ class LocalSandbox:
             self._kill_tree(transport)
             transport.close()
 
-    def _ended_by(self, code: int, signalled: bool, before: _Counters | None) -> str | None:
+    def _ended_by(self, code: int, signalled: bool, before: Counters | None) -> str | None:
         """What ended a failed command that the sandbox did not kill itself, if not the command."""
         if code == 0:
             return None
-        if self._state is not _State.RUNNING and code == 128 + signal.SIGKILL:
+        if self._state is not State.RUNNING and code == 128 + signal.SIGKILL:
             return "stopped"
         if self._cgroup is not None and before is not None:
-            after = self._cgroup.counters()
-            if after.oom_kills > before.oom_kills:
-                return "oom"
-            if after.pids_hits > before.pids_hits:
-                return "pids"  # a fork failed, and the command gave up before the watch saw it
+            # "pids": a fork failed, and the command gave up before the watch saw it.
+            hit = before.limit_hit(self._cgroup.counters())
+            if hit:
+                return hit
         # bwrap reports a command's death by signal N as 128 + N, like a shell.
         if signalled or (self._isolated and 128 < code <= 128 + signal.SIGRTMAX):
             return f"signal {code - 128}"
@@ -783,23 +975,22 @@ class LocalSandbox:
                 os.killpg(transport.get_pid(), signal.SIGKILL)
         return killed_by
 
-    async def exec(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 (a limit with a result, not a cancel scope)
-        stdin: bytes | str | None = None,
+    async def _exec(
+        self, argv: list[str], *, env: Mapping[str, str], cwd: str, limit_s: float | None, stdin: bytes | None
     ) -> ExecResult:
-        self._check_open()
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv:
-            raise ValueError("empty command")
-        cwd = posixpath.join(self.workdir, cwd) if cwd else self.workdir
-        deadlines = [t for t in (timeout, self.spec.limits.wall_time_s) if t is not None]
-        deadline = min(deadlines) if deadlines else None
-        full = self._launcher() + (self._bwrap_argv(argv, cwd) if self._isolated else argv)
+        seccomp_fd = None
+        if self._isolated and self.backend.seccomp_program is not None:
+            # bwrap reads the filter from a pipe to its end: one pipe per exec, since two bwraps
+            # reading one file description would share its offset.
+            seccomp_fd, writer = os.pipe()
+            try:
+                os.write(writer, self.backend.seccomp_program)
+            finally:
+                os.close(writer)
+        if self._isolated:
+            full = self._launcher() + self._drop() + self._bwrap_argv(argv, cwd, seccomp_fd)
+        else:
+            full = self._launcher() + argv
         before = self._cgroup.counters() if self._cgroup else None
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -813,8 +1004,12 @@ class LocalSandbox:
                 env=self._env(env),
                 cwd=str(self._host("work")) if self._isolated else cwd,
                 start_new_session=True,
+                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
             )
         )
+        if seccomp_fd is not None:
+            # Once the child has its copy (or never will); a cancelled exec's spawn finishes later.
+            spawn.add_done_callback(lambda _: os.close(seccomp_fd))
         try:
             # Cancelled mid-spawn, asyncio would kill the command's leader only: its tree must go too.
             transport, command = await asyncio.shield(spawn)
@@ -834,9 +1029,9 @@ class LocalSandbox:
             if stdin is not None:
                 pipe = transport.get_pipe_transport(0)
                 assert isinstance(pipe, asyncio.WriteTransport)
-                pipe.write(stdin.encode() if isinstance(stdin, str) else stdin)
+                pipe.write(stdin)
                 pipe.close()  # after the data is flushed; a command that exits unread just loses it
-            killed_by = await self._wait(transport, command, watch, deadline)
+            killed_by = await self._wait(transport, command, watch, limit_s)
             # The pipes close once the whole tree is gone; a plain process's daemon may hold them on.
             await asyncio.wait([command.closed], timeout=5)
         finally:
@@ -849,15 +1044,4 @@ class LocalSandbox:
         assert returncode is not None
         code = 128 - returncode if returncode < 0 else returncode
         killed_by = killed_by or self._ended_by(code, returncode < 0, before)
-        stdout, stdout_truncated = command.output[1].text()
-        stderr, stderr_truncated = command.output[2].text()
-        return ExecResult(
-            exit_code=code,
-            stdout=stdout,
-            stderr=stderr,
-            timed_out=killed_by == "wall-time",
-            killed_by=killed_by,
-            stdout_truncated=stdout_truncated,
-            stderr_truncated=stderr_truncated,
-            duration_s=time.monotonic() - started,
-        )
+        return command.output.result(code, killed_by=killed_by, started=started, ended=time.monotonic())

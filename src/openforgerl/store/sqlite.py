@@ -20,7 +20,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,24 @@ import orjson
 
 from openforgerl.images import Image
 from openforgerl.jsonutil import dumps
+from openforgerl.store.records import CallRow, RolloutRow, full_prompts
 
-SCHEMA = """
+# The indexes the viewer sorts and filters a run's rollouts by (fast paging at 100,000 rollouts), by
+# name: part of SCHEMA, and what `openforge view --create-indexes` adds to a store made before them.
+VIEWER_INDEXES = {
+    "rollouts_run_task": "CREATE INDEX IF NOT EXISTS rollouts_run_task ON rollouts(run_id, task_id)",
+    "rollouts_run_status": "CREATE INDEX IF NOT EXISTS rollouts_run_status ON rollouts(run_id, status)",
+    "rollouts_run_reward": "CREATE INDEX IF NOT EXISTS rollouts_run_reward ON rollouts(run_id, reward)",
+    "rollouts_run_seconds": (
+        "CREATE INDEX IF NOT EXISTS rollouts_run_seconds ON rollouts(run_id, closed_at - created_at)"
+    ),
+    "rollouts_run_outcome": (
+        "CREATE INDEX IF NOT EXISTS rollouts_run_outcome"
+        " ON rollouts(run_id, json_extract(details, '$.outcome'))"
+    ),
+}
+
+_TABLES = """
 CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY,
     run_id TEXT NOT NULL DEFAULT '',
@@ -44,12 +59,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     closed_at REAL
 );
 CREATE INDEX IF NOT EXISTS rollouts_run ON rollouts(run_id, created_at);
--- The viewer sorts and filters a run's rollouts by these (fast paging at 100,000 rollouts).
-CREATE INDEX IF NOT EXISTS rollouts_run_task ON rollouts(run_id, task_id);
-CREATE INDEX IF NOT EXISTS rollouts_run_status ON rollouts(run_id, status);
-CREATE INDEX IF NOT EXISTS rollouts_run_reward ON rollouts(run_id, reward);
-CREATE INDEX IF NOT EXISTS rollouts_run_seconds ON rollouts(run_id, closed_at - created_at);
-CREATE INDEX IF NOT EXISTS rollouts_run_outcome ON rollouts(run_id, json_extract(details, '$.outcome'));
+-- The viewer's indexes on rollouts (VIEWER_INDEXES) are added after the tables.
 CREATE TABLE IF NOT EXISTS calls (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     rollout_id TEXT NOT NULL REFERENCES rollouts(id),
@@ -109,6 +119,7 @@ CREATE TABLE IF NOT EXISTS uploads (
     PRIMARY KEY (rollout_id, digest)
 );
 """
+SCHEMA = _TABLES + "".join(f"{sql};\n" for sql in VIEWER_INDEXES.values())
 
 # Columns added since the first schema, with their definitions: an older database gets them on open.
 _ADDED_COLUMNS = {"calls": {"image_digests": "TEXT NOT NULL DEFAULT '[]'"}}
@@ -118,157 +129,76 @@ def ids_to_blob(ids: Sequence[int]) -> bytes:
     return array("i", ids).tobytes()
 
 
-def blob_to_ids(blob: bytes) -> list[int]:
-    a = array("i")
-    a.frombytes(blob)
-    return a.tolist()
-
-
 def floats_to_blob(values: Sequence[float]) -> bytes:
     return array("f", values).tobytes()
 
 
+def blob_to_ids(blob: bytes) -> list[int]:
+    return _unpack("i", blob)
+
+
 def blob_to_floats(blob: bytes) -> list[float]:
-    a = array("f")
-    a.frombytes(blob)
-    return a.tolist()
+    return _unpack("f", blob)
 
 
-@dataclass(slots=True)
-class RolloutRow:
-    id: str
-    run_id: str
-    task_id: str
-    key_hash: str
-    status: str = "open"
-    reward: float | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
-    created_at: float = 0.0
-    closed_at: float | None = None
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "rollout_id": self.id,
-            "run_id": self.run_id,
-            "task_id": self.task_id,
-            "status": self.status,
-            "reward": self.reward,
-            "details": self.details,
-            "metadata": self.metadata,
-            "sampling": self.sampling,
-            "created_at": self.created_at,
-            "closed_at": self.closed_at,
-        }
+def _unpack(typecode: str, blob: bytes) -> list[Any]:
+    values = array(typecode)
+    values.frombytes(blob)
+    return values.tolist()
 
 
-@dataclass(slots=True)
-class CallRow:
-    """One recorded model call. `prompt_prefix_call_id` + `prompt_prefix_len` say that the prompt
-    starts with that many ids of the earlier call's prompt + completion."""
-
-    rollout_id: str
-    seq: int
-    branch_id: int
-    parent_call_id: int | None
-    branch_reason: str
-    dialect: str
-    model: str
-    engine: str
-    status: str
-    error: str
-    policy_version: int | None
-    prompt_prefix_len: int
-    prompt_delta: list[int]
-    prompt_tokens: int
-    completion_ids: list[int]
-    completion_logprobs: list[float]
-    finish_reason: str | None
-    stop_reason: str | None
-    sampling_requested: dict[str, Any]
-    sampling_used: dict[str, Any]
-    messages_delta: list[dict[str, Any]]
-    response: dict[str, Any]
-    parse_errors: list[str]
-    memory: dict[str, Any]
-    created_at: float
-    latency_ms: float
-    id: int | None = None
-    # The digests of the images in the call's full prompt, in order (the bytes are in `images`).
-    image_digests: list[str] = field(default_factory=list)
-    # The dialect's id for the response this call answered ('' for none) and what the dialect keeps
-    # with it (the `responses` table, not a column of `calls`).
-    response_id: str = ""
-    response_context: dict[str, Any] = field(default_factory=dict)
-
-
-_ROLLOUT_COLS = (
+ROLLOUT_COLS = (
     "id, run_id, task_id, key_hash, status, reward, details, metadata, sampling, created_at, closed_at"
 )
-_CALL_COLS = (
+CALL_COLS = (
     "id, rollout_id, seq, branch_id, parent_call_id, branch_reason, dialect, model, engine, status, error, "
     "policy_version, prompt_prefix_len, prompt_delta, prompt_tokens, completion_ids, completion_logprobs, "
     "finish_reason, stop_reason, sampling_requested, sampling_used, messages_delta, response, parse_errors, "
     "memory, created_at, latency_ms, image_digests"
 )
-_IMAGE_COLS = "digest, media_type, width, height, bytes, created_at"
+IMAGE_COLS = "digest, media_type, width, height, bytes, created_at"
 # A call with the response it answered, if any (`calls AS c LEFT JOIN responses AS r`).
 _CALL_WITH_RESPONSE = (
-    ", ".join(f"c.{col}" for col in _CALL_COLS.split(", "))
+    ", ".join(f"c.{col}" for col in CALL_COLS.split(", "))
     + ", r.id AS response_id, r.context AS response_context"
 )
 _IMAGES_REMEMBERED = 200_000  # digests known to be stored, kept to skip rewriting their bytes
-_IN_CHUNK = 500  # digests per `IN (...)` query, below SQLite's limit on parameters
+IN_CHUNK = 500  # digests per `IN (...)` query, below SQLite's limit on parameters
 
 
-def _rollout_from_row(r: sqlite3.Row) -> RolloutRow:
-    return RolloutRow(
-        id=r["id"],
-        run_id=r["run_id"],
-        task_id=r["task_id"],
-        key_hash=r["key_hash"],
-        status=r["status"],
-        reward=r["reward"],
-        details=orjson.loads(r["details"]),
-        metadata=orjson.loads(r["metadata"]),
-        sampling=orjson.loads(r["sampling"]),
-        created_at=r["created_at"],
-        closed_at=r["closed_at"],
-    )
+# How a column's stored value becomes its record's field (other columns are stored as they are).
+_DECODE: dict[str, Callable[[Any], Any]] = {
+    "prompt_delta": blob_to_ids,
+    "completion_ids": blob_to_ids,
+    "completion_logprobs": blob_to_floats,
+    **dict.fromkeys(("details", "metadata", "sampling"), orjson.loads),
+    **dict.fromkeys(("sampling_requested", "sampling_used", "messages_delta", "response"), orjson.loads),
+    **dict.fromkeys(("parse_errors", "memory", "image_digests"), orjson.loads),
+    # A call's response (`_CALL_WITH_RESPONSE`), NULL when it answered none.
+    "response_id": lambda value: value or "",
+    "response_context": lambda value: orjson.loads(value or "{}"),
+}
 
 
-def _call_from_row(r: sqlite3.Row) -> CallRow:
-    return CallRow(
-        id=r["id"],
-        rollout_id=r["rollout_id"],
-        seq=r["seq"],
-        branch_id=r["branch_id"],
-        parent_call_id=r["parent_call_id"],
-        branch_reason=r["branch_reason"],
-        dialect=r["dialect"],
-        model=r["model"],
-        engine=r["engine"],
-        status=r["status"],
-        error=r["error"],
-        policy_version=r["policy_version"],
-        prompt_prefix_len=r["prompt_prefix_len"],
-        prompt_delta=blob_to_ids(r["prompt_delta"]),
-        prompt_tokens=r["prompt_tokens"],
-        completion_ids=blob_to_ids(r["completion_ids"]),
-        completion_logprobs=blob_to_floats(r["completion_logprobs"]),
-        finish_reason=r["finish_reason"],
-        stop_reason=r["stop_reason"],
-        sampling_requested=orjson.loads(r["sampling_requested"]),
-        sampling_used=orjson.loads(r["sampling_used"]),
-        messages_delta=orjson.loads(r["messages_delta"]),
-        response=orjson.loads(r["response"]),
-        parse_errors=orjson.loads(r["parse_errors"]),
-        memory=orjson.loads(r["memory"]),
-        created_at=r["created_at"],
-        latency_ms=r["latency_ms"],
-        image_digests=orjson.loads(r["image_digests"]),
-    )
+def _fields(r: sqlite3.Row) -> dict[str, Any]:
+    return {k: _DECODE[k](v) if k in _DECODE else v for k, v in zip(r.keys(), r, strict=True)}
+
+
+def rollout_from_row(r: sqlite3.Row) -> RolloutRow:
+    """A row of `ROLLOUT_COLS` as its record."""
+    return RolloutRow(**_fields(r))
+
+
+def call_from_row(r: sqlite3.Row) -> CallRow:
+    """A row of `CALL_COLS` (and, optionally, the response it answered) as its record."""
+    return CallRow(**_fields(r))
+
+
+def connect_read_only(path: Path, **options: Any) -> sqlite3.Connection:
+    """A connection that cannot write the database at `path` (a `mode=ro` URI); rows by name."""
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, **options)
+    conn.row_factory = sqlite3.Row
+    return conn
 
 
 class StoreClosed(RuntimeError):
@@ -401,7 +331,7 @@ class Store:
     async def create_rollout(self, row: RolloutRow) -> None:
         def op(conn: sqlite3.Connection) -> None:
             conn.execute(
-                f"INSERT INTO rollouts ({_ROLLOUT_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO rollouts ({ROLLOUT_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     row.id,
                     row.run_id,
@@ -446,12 +376,12 @@ class Store:
         return await self.get_rollout(rollout_id)
 
     async def get_rollout(self, rollout_id: str) -> RolloutRow | None:
-        rows = await self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE id=?", (rollout_id,))
-        return _rollout_from_row(rows[0]) if rows else None
+        rows = await self._read(f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE id=?", (rollout_id,))
+        return rollout_from_row(rows[0]) if rows else None
 
     async def rollout_by_key_hash(self, key_hash: str) -> RolloutRow | None:
-        rows = await self._read(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE key_hash=?", (key_hash,))
-        return _rollout_from_row(rows[0]) if rows else None
+        rows = await self._read(f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE key_hash=?", (key_hash,))
+        return rollout_from_row(rows[0]) if rows else None
 
     async def list_rollouts(
         self, *, run_id: str | None = None, status: str | None = None, limit: int = 100, offset: int = 0
@@ -465,16 +395,16 @@ class Store:
             params.append(status)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = await self._read(
-            f"SELECT {_ROLLOUT_COLS} FROM rollouts {clause} ORDER BY created_at, id LIMIT ? OFFSET ?",
+            f"SELECT {ROLLOUT_COLS} FROM rollouts {clause} ORDER BY created_at, id LIMIT ? OFFSET ?",
             (*params, limit, offset),
         )
-        return [_rollout_from_row(r) for r in rows]
+        return [rollout_from_row(r) for r in rows]
 
     # -- images --------------------------------------------------------------------------
     def _insert_images(self, conn: sqlite3.Connection, images: Sequence[Image]) -> None:
         now = time.time()
         conn.executemany(
-            f"INSERT OR IGNORE INTO images ({_IMAGE_COLS}) VALUES (?,?,?,?,?,?)",
+            f"INSERT OR IGNORE INTO images ({IMAGE_COLS}) VALUES (?,?,?,?,?,?)",
             [
                 (im.digest, im.media_type, im.width, im.height, im.data, now)
                 for im in {im.digest: im for im in images if im.digest not in self._stored_images}.values()
@@ -495,10 +425,10 @@ class Store:
         """The kept images among `digests` (unknown ones are absent), for readers in threads."""
         wanted = list(dict.fromkeys(digests))
         out: dict[str, Image] = {}
-        for i in range(0, len(wanted), _IN_CHUNK):
-            chunk = wanted[i : i + _IN_CHUNK]
+        for i in range(0, len(wanted), IN_CHUNK):
+            chunk = wanted[i : i + IN_CHUNK]
             rows = self._read_sync(
-                f"SELECT {_IMAGE_COLS} FROM images WHERE digest IN ({','.join('?' * len(chunk))})", chunk
+                f"SELECT {IMAGE_COLS} FROM images WHERE digest IN ({','.join('?' * len(chunk))})", chunk
             )
             for r in rows:
                 out[r["digest"]] = Image(r["digest"], r["media_type"], r["width"], r["height"], r["bytes"])
@@ -527,8 +457,8 @@ class Store:
 
     def _uploads_sync(self, rollout_id: str, digests: list[str]) -> dict[str, tuple[Image, float]]:
         out: dict[str, tuple[Image, float]] = {}
-        for i in range(0, len(digests), _IN_CHUNK):
-            chunk = digests[i : i + _IN_CHUNK]
+        for i in range(0, len(digests), IN_CHUNK):
+            chunk = digests[i : i + IN_CHUNK]
             rows = self._read_sync(
                 "SELECT i.digest, i.media_type, i.width, i.height, i.bytes, u.created_at AS uploaded "
                 "FROM uploads u JOIN images i ON i.digest = u.digest "
@@ -556,7 +486,7 @@ class Store:
         def op(conn: sqlite3.Connection) -> int:
             self._insert_images(conn, images)
             cur = conn.execute(
-                f"INSERT INTO calls ({_CALL_COLS}) VALUES ({','.join('?' * 28)})",
+                f"INSERT INTO calls ({CALL_COLS}) VALUES ({','.join('?' * 28)})",
                 (
                     None,
                     call.rollout_id,
@@ -603,9 +533,9 @@ class Store:
 
     async def calls(self, rollout_id: str) -> list[CallRow]:
         rows = await self._read(
-            f"SELECT {_CALL_COLS} FROM calls WHERE rollout_id=? ORDER BY seq", (rollout_id,)
+            f"SELECT {CALL_COLS} FROM calls WHERE rollout_id=? ORDER BY seq", (rollout_id,)
         )
-        return [_call_from_row(r) for r in rows]
+        return [call_from_row(r) for r in rows]
 
     def response_chain_sync(self, rollout_id: str, response_id: str) -> list[CallRow]:
         """The call of this rollout that answered `response_id`, then the calls its prompt extends,
@@ -620,9 +550,7 @@ class Store:
         chain: list[CallRow] = []
         seen: set[int] = set()
         while rows:
-            call = _call_from_row(rows[0])
-            call.response_id = rows[0]["response_id"] or ""
-            call.response_context = orjson.loads(rows[0]["response_context"] or "{}")
+            call = call_from_row(rows[0])
             chain.append(call)
             assert call.id is not None
             seen.add(call.id)
@@ -635,20 +563,8 @@ class Store:
             )
         return chain
 
-    @staticmethod
-    def full_prompts(calls: Sequence[CallRow]) -> dict[int, list[int]]:
-        """Rebuild each call's full prompt ids from the prefix references (calls in seq order)."""
-        by_id = {c.id: c for c in calls}
-        prompts: dict[int, list[int]] = {}
-        for c in calls:
-            assert c.id is not None
-            prefix: list[int] = []
-            if c.parent_call_id is not None and c.prompt_prefix_len:
-                parent = by_id[c.parent_call_id]
-                assert parent.id is not None
-                prefix = (prompts[parent.id] + parent.completion_ids)[: c.prompt_prefix_len]
-            prompts[c.id] = prefix + c.prompt_delta
-        return prompts
+    # Each call's full prompt ids, rebuilt from the prefix references (records.full_prompts).
+    full_prompts = staticmethod(full_prompts)
 
     async def close(self) -> None:
         if self._closed:

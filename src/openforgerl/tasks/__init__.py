@@ -1,7 +1,7 @@
 """Tasks as data: the schema (`tasks.schema`, documented there), loaders, built-in suites, verifiers."""
 
+from openforgerl.tasks.files import TaskError
 from openforgerl.tasks.loader import (
-    TaskError,
     dump_tasks,
     load_task_file,
     load_tasks,

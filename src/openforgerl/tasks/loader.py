@@ -10,14 +10,12 @@ import orjson
 import yaml
 from pydantic import ValidationError
 
+from openforgerl.tasks.files import TaskError, jsonl_records
 from openforgerl.tasks.schema import Split, Task
 from openforgerl.tasks.suites import CLAW_BASIC_DIR, tools_tiny
+from openforgerl.tasks.webbench import FORMATS as BENCHMARK_FORMATS
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml", ".jsonl")
-
-
-class TaskError(ValueError):
-    """A task file that cannot be loaded: the message names the file, the task and the problem."""
 
 
 def _describe(error: ValidationError) -> str:
@@ -28,18 +26,10 @@ def _describe(error: ValidationError) -> str:
 
 def _entries(path: Path) -> list[tuple[str, Any]]:
     """(where in the file, raw task) pairs, defaults already merged."""
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        out = []
-        for n, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    out.append((f"line {n}", orjson.loads(line)))
-                except orjson.JSONDecodeError as exc:
-                    raise TaskError(f"{path}: line {n}: not valid JSON: {exc}") from exc
-        return out
+        return jsonl_records(path)
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise TaskError(f"{path}: not valid YAML: {exc}") from exc
     if isinstance(doc, dict) and "tasks" in doc:
@@ -99,10 +89,8 @@ def suite_names() -> list[str]:
 
 def _benchmark(spec: str) -> list[Task] | None:
     """`webvoyager:PATH`, `online-mind2web:PATH`: a public benchmark's own task file (tasks.webbench)."""
-    from openforgerl.tasks import webbench  # here: webbench uses this module's TaskError
-
     prefix, colon, path = spec.partition(":")
-    load = webbench.FORMATS.get(prefix) if colon else None
+    load = BENCHMARK_FORMATS.get(prefix) if colon else None
     return load(path) if load is not None else None
 
 

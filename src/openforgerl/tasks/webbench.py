@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import orjson
 from pydantic import ValidationError
 
-from openforgerl.tasks.loader import TaskError
+from openforgerl.tasks.files import TaskError, json_document, jsonl_records
 from openforgerl.tasks.schema import Task
 
 JUDGE = "openforgerl.web.judge:judge"
@@ -80,9 +79,41 @@ def _check_url(path: Path, where: str, url: str) -> str:
     return url.strip()
 
 
-def _make_task(path: Path, where: str, **fields: Any) -> Task:
+def _web_task(
+    path: Path,
+    where: str,
+    benchmark: str,
+    record: Record,
+    task_id: str,
+    instruction: str,
+    url: str,
+    *,
+    level: str | None = None,
+    tags: Iterable[str] = (),
+    reference: Record | None = None,
+) -> Task:
+    """A task of either benchmark: the GUI harness starting at `url`, split `test`, the LLM judge
+    (told the reference answer, if any), steps and timeout by `level`, the record in the metadata."""
+    steps, timeout = _steps_and_timeout(level)
+    judge: Record = {"task": instruction}
+    metadata: Record = {"benchmark": benchmark, "record": record}
+    if reference:
+        judge |= {"reference": reference["ans"], "reference_type": reference["type"]}
+        metadata["reference"] = reference
     try:
-        return Task.model_validate(fields)
+        return Task.model_validate(
+            {
+                "id": _task_id(task_id),
+                "instruction": instruction,
+                "split": "test",
+                "harness": HARNESS,
+                "harness_options": {"start_url": url, "max_steps": steps},
+                "verifier": {"python": JUDGE, "kwargs": judge},
+                "timeout": timeout,
+                "tags": [benchmark, *tags],
+                "metadata": metadata,
+            }
+        )
     except ValidationError as exc:  # e.g. an id with nothing valid left in it
         raise TaskError(f"{path}: {where}: cannot make a task of this record: {exc}") from exc
 
@@ -94,17 +125,6 @@ def _unique(path: Path, tasks: list[tuple[str, Task]]) -> list[Task]:
             raise TaskError(f"{path}: {where}: duplicate task id {task.id!r} (also at {seen[task.id]})")
         seen[task.id] = where
     return [t for _, t in tasks]
-
-
-def _jsonl(path: Path) -> list[tuple[str, Any]]:
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                out.append((f"line {n}", orjson.loads(line)))
-            except orjson.JSONDecodeError as exc:
-                raise TaskError(f"{path}: line {n}: not valid JSON: {exc}") from exc
-    return out
 
 
 def _read(path: str | Path) -> Path:
@@ -119,12 +139,7 @@ def _read(path: str | Path) -> Path:
 
 def _references(path: Path) -> dict[tuple[str, int], Record]:
     """(web_name, number) -> {"type", "ans"} from WebVoyager's reference_answer.json."""
-    try:
-        doc = orjson.loads(path.read_bytes())
-    except orjson.JSONDecodeError as exc:
-        raise TaskError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise TaskError(f"{path}: expected an object {{web_name: {{answers: [...]}}}}")
+    doc = json_document(path, dict, "an object {web_name: {answers: [...]}}")
     out: dict[tuple[str, int], Record] = {}
     for site, entry in doc.items():
         answers = entry.get("answers") if isinstance(entry, dict) else entry
@@ -146,31 +161,15 @@ def load_webvoyager(path: str | Path, reference: str | Path | None = None) -> li
     if reference is not None and not ref_path.is_file():
         raise TaskError(f"{ref_path}: no such file (the reference answers)")
     refs = _references(ref_path) if ref_path.is_file() else {}
-    steps, timeout = _steps_and_timeout(None)
     tasks = []
-    for where, record in _jsonl(path):
+    for where, record in jsonl_records(path):
         record = _require(path, where, record, ("web_name", "id", "ques", "web"))
         url = _check_url(path, where, record["web"])
         number = record["id"].rpartition("--")[2]
         ref = refs.get((record["web_name"], int(number))) if number.isdecimal() else None
-        kwargs: Record = {"task": record["ques"]}
-        if ref:
-            kwargs |= {"reference": ref["ans"], "reference_type": ref["type"]}
-        metadata: Record = {"benchmark": "webvoyager", "record": record}
-        if ref:
-            metadata["reference"] = ref
-        task = _make_task(
-            path,
-            where,
-            id=_task_id(record["id"]),
-            instruction=record["ques"],
-            split="test",
-            harness=HARNESS,
-            harness_options={"start_url": url, "max_steps": steps},
-            verifier={"python": JUDGE, "kwargs": kwargs},
-            timeout=timeout,
-            tags=["webvoyager", f"site:{record['web_name']}"],
-            metadata=metadata,
+        site = f"site:{record['web_name']}"
+        task = _web_task(
+            path, where, "webvoyager", record, record["id"], record["ques"], url, tags=[site], reference=ref
         )
         tasks.append((where, task))
     return _unique(path, tasks)
@@ -183,14 +182,9 @@ def load_online_mind2web(path: str | Path) -> list[Task]:
     """Online-Mind2Web's task file: a JSON list of records (JSONL works too)."""
     path = _read(path)
     if path.suffix == ".jsonl":
-        entries = _jsonl(path)
+        entries = jsonl_records(path)
     else:
-        try:
-            doc = orjson.loads(path.read_bytes())
-        except orjson.JSONDecodeError as exc:
-            raise TaskError(f"{path}: not valid JSON: {exc}") from exc
-        if not isinstance(doc, list):
-            raise TaskError(f"{path}: expected a JSON list of tasks, got {type(doc).__name__}")
+        doc = json_document(path, list, "a JSON list of tasks")
         entries = [(f"entry {i}", r) for i, r in enumerate(doc, start=1)]
     tasks = []
     for where, record in entries:
@@ -201,20 +195,10 @@ def load_online_mind2web(path: str | Path) -> list[Task]:
         level = record.get("level")
         if level is not None and level not in MAX_STEPS_BY_LEVEL:
             raise TaskError(f"{path}: {where}: level {level!r} is not one of {', '.join(MAX_STEPS_BY_LEVEL)}")
-        steps, timeout = _steps_and_timeout(level)
-        tags = ["online-mind2web", f"site:{urlparse(url).hostname}"] + ([f"level:{level}"] if level else [])
-        task = _make_task(
-            path,
-            where,
-            id=_task_id(record["task_id"]),
-            instruction=record["confirmed_task"],
-            split="test",
-            harness=HARNESS,
-            harness_options={"start_url": url, "max_steps": steps},
-            verifier={"python": JUDGE, "kwargs": {"task": record["confirmed_task"]}},
-            timeout=timeout,
-            tags=tags,
-            metadata={"benchmark": "online-mind2web", "record": record},
+        tags = [f"site:{urlparse(url).hostname}"] + ([f"level:{level}"] if level else [])
+        task_id, instruction = record["task_id"], record["confirmed_task"]
+        task = _web_task(
+            path, where, "online-mind2web", record, task_id, instruction, url, level=level, tags=tags
         )
         tasks.append((where, task))
     return _unique(path, tasks)

@@ -39,6 +39,8 @@ class ScriptedPolicyEngine:
     """An Engine (see engines/base.py) whose every answer comes from `reply(prompt text)`."""
 
     name = "scripted-policy"
+    max_context: int | None = None  # no limit of its own: the gateway's applies
+    supports_response_format = False
 
     def __init__(
         self,

@@ -66,6 +66,8 @@ class ScriptedEngine:
     """
 
     name = "scripted"
+    max_context: int | None = None  # no limit of its own: the gateway's applies
+    supports_response_format = False
 
     def __init__(
         self,

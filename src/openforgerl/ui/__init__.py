@@ -2,9 +2,10 @@
 
 A Starlette app (`app.py`) serves a JSON API under /api and a front end of plain ES modules
 (`static/`, no build step; uPlot vendored from its npm tarball, see static/vendor/README.md).
-Read-only: stores and runner files are opened with SQLite `mode=ro` URIs; `--create-indexes` is the
-one opt-in write (the store indexes in `store.VIEWER_INDEXES`). Loopback by default; a token is
-required on any other address.
+Read-only, and through the store's API only (the viewer holds no SQL): a store is read with
+`openforgerl.store.view.StoreView`, a runner's runner.db with `openforgerl.store.run_state`, both
+opened with SQLite `mode=ro` URIs; `--create-indexes` is the one opt-in write (the store's
+`VIEWER_INDEXES`). Loopback by default; a token is required on any other address.
 
 What the viewer reads (the contract with the runner and the trainer):
 
@@ -42,6 +43,10 @@ The API (GET only; errors are `{"error": {"status", "message", "param"}}` with a
 `/api/rollouts?run=&page=&page_size=&sort=[-]KEY&status=&task=&dialect=&failure=&min_reward=&max_reward=`,
 `/api/rollout?run=&id=`, `/api/tokens?run=&id=`, `/api/images/DIGEST?run=`. The front end polls an
 active run every few seconds.
+
+`/api/rollout` gives the rollout (`RolloutRow.public()`) and its calls in the one public shape of a
+recorded call (`openforgerl.store.public_calls`, as the gateway's admin API gives them, without the
+token ids: `/api/tokens` has those).
 
 Images: a recorded message names its images by digest (the hex sha256 of their bytes, kept once
 each in the store's `images` table). `/api/rollout` gives each message's `images` as

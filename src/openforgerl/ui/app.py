@@ -23,8 +23,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from openforgerl.jsonutil import dumps
-from openforgerl.store import CallRow
-from openforgerl.trajectory import side_request_reason
+from openforgerl.store import CallRow, public_calls
+from openforgerl.store.view import DIGEST, MAX_PAGE_SIZE, SORTS, Filters, StoreView, failure_reason
 from openforgerl.ui.runs import (
     MetricsFile,
     Run,
@@ -39,7 +39,6 @@ from openforgerl.ui.runs import (
     runner_record,
     trainer_tokens,
 )
-from openforgerl.ui.store import DIGEST, MAX_PAGE_SIZE, SORTS, Filters, StoreView, failure_reason
 from openforgerl.ui.tokens import token_view
 
 STATIC = Path(__file__).parent / "static"
@@ -306,7 +305,6 @@ def build_app(cfg: ViewerConfig) -> Starlette:
             | {"tokens": len(s["input_ids"]), "trained": sum(s["loss_mask"])}
             for s in view["samples"]
         ]
-        any_tools = any(c.sampling_requested.get("tools") for c in calls)
         images = _image_refs(viewer.store_view(found.store) if found.store else None, found.name, calls)
         return _json(
             {
@@ -315,7 +313,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
                 "stats": stats,
                 "failure": failure_reason(row.status, row.details, stats.get("failed_calls", 0)),
                 "runner": runner_record(found.folder, row.id),
-                "calls": [_call_json(c, any_tools, images) for c in calls],
+                "calls": [_with_image_refs(c, images) for c in public_calls(calls, tokens=False)],
                 "samples": samples,
             }
         )
@@ -420,32 +418,13 @@ def _with_images(message: Any, images: dict[str, dict[str, Any]]) -> Any:
     return {**message, "images": [images[d] for d in _digests(message)]}
 
 
-def _call_json(c: CallRow, any_tools: bool, images: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _with_image_refs(call: dict[str, Any], images: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A call in the store's public shape, its messages' and response's image digests replaced by
+    the images' descriptions."""
     return {
-        "id": c.id,
-        "seq": c.seq,
-        "status": c.status,
-        "error": c.error,
-        "dialect": c.dialect,
-        "model": c.model,
-        "engine": c.engine,
-        "branch_id": c.branch_id,
-        "parent_call_id": c.parent_call_id,
-        "branch_reason": c.branch_reason,
-        "side_request": side_request_reason(c.sampling_requested, any_tools),
-        "policy_version": c.policy_version,
-        "prompt_tokens": c.prompt_tokens,
-        "reused_tokens": c.prompt_prefix_len,
-        "completion_tokens": len(c.completion_ids),
-        "finish_reason": c.finish_reason,
-        "latency_ms": c.latency_ms,
-        "created_at": c.created_at,
-        "sampling_requested": c.sampling_requested,
-        "sampling_used": c.sampling_used,
-        "messages": [_with_images(m, images) for m in c.messages_delta],
-        "response": _with_images(c.response, images),
-        "image_digests": c.image_digests,
-        "parse_errors": c.parse_errors,
+        **call,
+        "messages_delta": [_with_images(m, images) for m in call["messages_delta"]],
+        "response": _with_images(call["response"], images),
     }
 
 

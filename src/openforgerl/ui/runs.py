@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from openforgerl.store import run_state_progress, run_state_record
 
 # A folder holding any of these is a run.
 RUN_FILES = (
@@ -196,40 +197,15 @@ def report_headline(folder: Path) -> dict[str, Any] | None:
     }
 
 
-def _ro(path: Path) -> sqlite3.Connection:
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
-    db.row_factory = sqlite3.Row
-    return db
-
-
 def runner_progress(folder: Path) -> dict[str, int]:
     """Rollouts by state in the runner's own record (runner.db): pending, running, done, ..."""
-    path = folder / "runner.db"
-    if not path.is_file():
-        return {}
-    with contextlib.closing(_ro(path)) as db, contextlib.suppress(sqlite3.Error):
-        return {r[0]: r[1] for r in db.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status")}
-    return {}
+    return run_state_progress(folder / "runner.db")
 
 
 def runner_record(folder: Path | None, gateway_rollout_id: str) -> dict[str, Any] | None:
     """The runner's record of one rollout: outcome, harness exit and output tail, verifier details,
     seconds per phase."""
-    if folder is None or not (folder / "runner.db").is_file():
-        return None
-    with contextlib.closing(_ro(folder / "runner.db")) as db, contextlib.suppress(sqlite3.Error):
-        row = db.execute(
-            "SELECT task_id, sample, status, reward, outcome, attempts, details, seconds FROM rollouts"
-            " WHERE gateway_rollout_id = ?",
-            (gateway_rollout_id,),
-        ).fetchone()
-        if row is not None:
-            return {
-                **{k: row[k] for k in ("task_id", "sample", "status", "reward", "outcome", "attempts")},
-                "details": json.loads(row["details"] or "{}"),
-                "seconds": json.loads(row["seconds"] or "{}"),
-            }
-    return None
+    return run_state_record(folder / "runner.db", gateway_rollout_id) if folder is not None else None
 
 
 def run_status(folder: Path | None, progress: dict[str, int], open_rollouts: int) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from openforgerl.rollouts.trajectory import build_samples, calls_from_rows
 from openforgerl.store import CallRow
-from openforgerl.trajectory import build_samples, calls_from_rows
 from openforgerl.ui.runs import TrainerTokens
 
 _load_lock = threading.Lock()

@@ -1,16 +1,15 @@
 """Dialect translators: one module per wire format, to and from the one internal `Conversation`.
 
-A dialect contributes its routes and renders errors in its own shape; nothing outside a dialect
-module knows its wire format.
+Each module declares its routes and renders its errors (the contract: gateway/serving.py); nothing
+outside a dialect module knows its wire format. Here: the bounds and checks every dialect shares.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Protocol
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
-from pydantic import Field
-from starlette.responses import Response
-from starlette.routing import BaseRoute
+from pydantic import BaseModel, Field, ValidationError
 
 from openforgerl.gateway.errors import GatewayError
 from openforgerl.sampling import SEED_RANGE
@@ -23,30 +22,12 @@ MAX_TOOLS = 2048
 # A sampling seed: what the engines take (a 64-bit integer); beyond it a 400, not the engine's 500.
 Seed = Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])]
 
-if TYPE_CHECKING:
-    from openforgerl.gateway.app import Gateway
+_M = TypeVar("_M", bound=BaseModel)
 
 
-class Dialect(Protocol):
-    name: str
-
-    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
-        """The dialect's routes under `prefix` ('' or '/r/{rollout_id}')."""
-        ...
-
-    def owns_path(self, path: str) -> bool:
-        """Whether errors on this path (e.g. an unknown sub-route) belong to this dialect."""
-        ...
-
-    def error_response(self, err: GatewayError) -> Response:
-        """The error in this dialect's own shape, with its status and retry headers."""
-        ...
-
-
-def default_dialects() -> list[Dialect]:
-    from openforgerl.gateway.dialects.anthropic import AnthropicMessages
-    from openforgerl.gateway.dialects.gemini import Gemini
-    from openforgerl.gateway.dialects.openai_chat import OpenAIChat
-    from openforgerl.gateway.dialects.responses import OpenAIResponses
-
-    return [OpenAIChat(), OpenAIResponses(), Gemini(), AnthropicMessages()]
+def validated(model: type[_M], body: bytes, invalid: Callable[[ValidationError], GatewayError]) -> _M:
+    """The body as the dialect's request model; `invalid` words the 400 for a body that is not one."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid(exc) from exc

@@ -36,23 +36,18 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome, PreparedCall
-from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS
+from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, validated
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
-from openforgerl.gateway.http import JSONResponse, read_body
 from openforgerl.images import Image, image_from_base64, image_from_file
-
-if TYPE_CHECKING:
-    from openforgerl.gateway.app import Gateway
 
 NAME = "anthropic"
 
@@ -323,10 +318,7 @@ def parse_request(
     body: bytes, files: Mapping[str, Image] | None = None
 ) -> tuple[Conversation, MessagesRequest]:
     """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
-    try:
-        req = MessagesRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise _validation_error(exc) from exc
+    req = validated(MessagesRequest, body, _validation_error)
     messages: list[Message] = []
     if req.system is not None:
         messages.append(Message("system", _text(req.system, "system", "system prompts")))
@@ -344,18 +336,15 @@ def parse_request(
             "A final assistant message (prefill) is not supported: end with a user message.",
             param=f"messages.{len(req.messages) - 1}.role",
         )
+    # temperature, top_p, max_tokens, stop (Anthropic's API takes no seed)
+    sampling = SamplingRequest(req.temperature, req.top_p, req.max_tokens, list(req.stop_sequences or []))
     conv = Conversation(
         model=req.model,
         messages=messages,
         tools=_tools(req.tools),
         tool_choice=_tool_choice(req.tool_choice),
         response_format=(req.output_config.format if req.output_config else None) or req.output_format,
-        sampling=SamplingRequest(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            max_tokens=req.max_tokens,
-            stop=list(req.stop_sequences or []),
-        ),
+        sampling=sampling,
         stream=req.stream,
         dialect=NAME,
     )
@@ -374,11 +363,11 @@ def _usage(prompt_tokens: int, reused: int, output_tokens: int) -> dict[str, int
     }
 
 
-class _Answer:
-    """Renders one call's outcome for the request that asked for it."""
+class MessagesExchange(serving.Exchange):
+    """One Messages request: its answer as a message or as the stream of its events."""
 
-    def __init__(self, req: MessagesRequest, gateway: Gateway) -> None:
-        self.req = req
+    def __init__(self, conv: Conversation, req: MessagesRequest) -> None:
+        self.conv, self.req = conv, req
         self.id = f"msg_{secrets.token_hex(12)}"
         # Claude Code asks for `display: "omitted"`: the block comes, its text does not.
         self.hide_thinking = req.thinking is not None and req.thinking.display == "omitted"
@@ -435,7 +424,7 @@ class _Answer:
             }
         )
 
-    def stream_start(self, prepared: PreparedCall) -> bytes:
+    def stream_start(self, call: PreparedCall) -> bytes:
         """message_start (the prompt is known before generation) and a ping."""
         message: dict[str, Any] = {
             "id": self.id,
@@ -445,7 +434,7 @@ class _Answer:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _usage(len(prepared.plan.prompt_ids), prepared.plan.prefix_len, 0),
+            "usage": _usage(len(call.plan.prompt_ids), call.plan.prefix_len, 0),
         }
         return _event("message_start", {"type": "message_start", "message": message}) + _event(
             "ping", {"type": "ping"}
@@ -487,6 +476,9 @@ class _Answer:
         )
         yield _event("message_stop", {"type": "message_stop"})
 
+    def stream_error(self, err: GatewayError) -> bytes:
+        return stream_error(err)
+
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
@@ -527,63 +519,28 @@ def stream_error(err: GatewayError) -> bytes:
     return b"event: error\ndata: " + error_body(err, overloaded=transient) + b"\n\n"
 
 
-_OWNED = re.compile(r"^(/r/[^/]+)?(/v1/messages(/.*)?|/api/hello)$")
-
-
-class AnthropicMessages:
+class AnthropicMessages(serving.JSONErrors):
     """`POST /v1/messages`, `POST /v1/messages/count_tokens`, and the probes Claude Code sends."""
 
     name = NAME
+    owned = re.compile(r"^(/r/[^/]+)?(/v1/messages(/.*)?|/api/hello)$")
+    error_body = staticmethod(error_body)
 
-    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
-        async def messages(request: Request) -> Response:
-            parsed: list[MessagesRequest] = []
+    def routes(self, host: serving.Host) -> list[serving.RouteSpec]:
+        def parse(body: bytes, files: Mapping[str, Image], _: serving.Incoming) -> MessagesExchange:
+            return MessagesExchange(*parse_request(body, files))
 
-            def parse(body: bytes, files: Mapping[str, Image]) -> Conversation:
-                conv, req = parse_request(body, files)
-                parsed.append(req)
-                return conv
-
-            try:
-                prepared = await gateway.open_call(request, parse)
-            except GatewayError as err:
-                return self.error_response(err)
-            answer = _Answer(parsed[0], gateway)
-            if answer.req.stream:
-                return gateway.stream_call(
-                    prepared, answer.stream_start(prepared), answer.stream_events, stream_error
-                )
-            try:
-                outcome = await gateway.finish_call(request, prepared)
-            except GatewayError as err:
-                return self.error_response(err)
-            if outcome is None:  # the client is gone; nobody reads this
-                return Response(status_code=499)
-            return JSONResponse(answer.body(outcome))
-
-        async def count_tokens(request: Request) -> Response:
-            try:
-                session = await gateway.session(request)
-                body = await read_body(request, gateway.max_body)
-                conv, _ = await gateway.parse(session, body, parse_request)
-                tokens = await gateway.core.count_tokens(session, conv)
-            except GatewayError as err:
-                return self.error_response(err)
-            return JSONResponse({"input_tokens": tokens})
-
-        async def probe(request: Request) -> Response:
+        async def probe(request: Request) -> dict[str, Any]:
             # Claude Code checks that the endpoint is up (HEAD /api/hello, the base URL) before it starts.
-            return JSONResponse({"status": "ok"})
+            return {"status": "ok"}
 
         return [
-            Route(prefix + "/v1/messages", messages, methods=["POST"]),
-            Route(prefix + "/v1/messages/count_tokens", count_tokens, methods=["POST"]),
-            Route(prefix + "/api/hello", probe, methods=["GET", "HEAD"]),
-            Route(prefix or "/", probe, methods=["GET", "HEAD"]),
+            serving.CallRoute("/v1/messages", parse),
+            serving.CountRoute(
+                "/v1/messages/count_tokens",
+                lambda body, files, _: parse_request(body, files)[0],
+                lambda tokens: {"input_tokens": tokens},
+            ),
+            serving.InfoRoute("/api/hello", probe, ("GET", "HEAD")),
+            serving.InfoRoute("", probe, ("GET", "HEAD")),
         ]
-
-    def owns_path(self, path: str) -> bool:
-        return _OWNED.match(path) is not None
-
-    def error_response(self, err: GatewayError) -> Response:
-        return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())

@@ -26,28 +26,23 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
 
 from openforgerl import jsonutil
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
-from openforgerl.gateway.http import JSONResponse, read_body
 from openforgerl.images import Image, digest_of_file_id, image_from_base64, image_from_file
-
-if TYPE_CHECKING:
-    from openforgerl.gateway.app import Gateway
 
 NAME = "gemini"
 DECLINED_TOOLS_HEADER = "x-openforgerl-declined-tools"
@@ -459,110 +454,87 @@ def stream_error(err: GatewayError) -> bytes:
     return error_body(err) + b"\n"
 
 
-def _declined_header(declined: list[str]) -> dict[str, str]:
-    return {DECLINED_TOOLS_HEADER: ", ".join(quote(k, safe="") for k in declined)} if declined else {}
+class GeminiExchange(serving.Exchange):
+    """One generateContent or streamGenerateContent request: SSE with `?alt=sse`; else one body
+    (without alt=sse, the API streams one JSON array, which is sent whole)."""
+
+    # Blank lines, not comments: the google-genai Python SDK parses every line that is not `data:`
+    # as JSON, so a comment breaks its stream (the JS SDK skips both).
+    keepalive = b"\r\n\r\n"
+
+    def __init__(self, parsed: Parsed, sse: bool) -> None:
+        self.parsed, self.conv, self.sse = parsed, parsed.conv, sse
+
+    @property
+    def streams(self) -> bool:
+        return self.sse
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        declined = self.parsed.declined_tools
+        return {DECLINED_TOOLS_HEADER: ", ".join(quote(k, safe="") for k in declined)} if declined else {}
+
+    def body(self, out: CallOutcome) -> bytes:
+        if self.conv.stream:
+            return b"[" + b",\r\n".join(stream_chunks(out, self.parsed)) + b"]"
+        return response_body(out, self.parsed)
+
+    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
+        return [b"data: " + c + b"\r\n\r\n" for c in stream_chunks(out, self.parsed)]
+
+    def stream_error(self, err: GatewayError) -> bytes:
+        return stream_error(err)
 
 
-class Gemini:
+class Gemini(serving.JSONErrors):
     """The Generative Language API's model routes, under /v1beta and /v1."""
 
     name = NAME
+    owned = re.compile(r"(?:/r/[^/]+)?/(?:v1beta(?:/|$)|v1/models/.*:)")
+    error_body = staticmethod(error_body)
 
-    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
-        async def generate(request: Request, streaming: bool) -> Response:
-            parsed: list[Parsed] = []
+    def error_status(self, err: GatewayError) -> int:
+        return _http_status(err)
 
-            def parse(body: bytes, files: Mapping[str, Image]) -> Conversation:
-                parsed.append(parse_request(body, request.path_params["model"], streaming, files))
-                return parsed[0].conv
+    def routes(self, host: serving.Host) -> list[serving.RouteSpec]:
+        def generate(streaming: bool) -> serving.Parse[serving.Exchange]:
+            def parse(body: bytes, files: Mapping[str, Image], at: serving.Incoming) -> serving.Exchange:
+                parsed = parse_request(body, at.path_params["model"], streaming, files)
+                return GeminiExchange(parsed, streaming and at.query_params.get("alt") == "sse")
 
-            try:
-                prepared = await gateway.open_call(request, parse)
-            except GatewayError as err:
-                return self.error_response(err)
-            p = parsed[0]
-            headers = _declined_header(p.declined_tools)
-            if streaming and request.query_params.get("alt") == "sse":
-                sse = gateway.stream_call(
-                    prepared,
-                    b"",
-                    lambda out: [b"data: " + c + b"\r\n\r\n" for c in stream_chunks(out, p)],
-                    stream_error,
-                    # Blank lines, not comments: the google-genai Python SDK parses every line that
-                    # is not `data:` as JSON, so a comment breaks its stream (the JS SDK skips both).
-                    keepalive=b"\r\n\r\n",
-                )
-                sse.headers.update(headers)
-                return sse
-            try:
-                outcome = await gateway.finish_call(request, prepared)
-            except GatewayError as err:
-                return self.error_response(err)
-            if outcome is None:  # the client is gone; nobody reads this
-                return Response(status_code=499)
-            if streaming:  # without alt=sse the API streams one JSON array; it is sent whole
-                body = b"[" + b",\r\n".join(stream_chunks(outcome, p)) + b"]"
-            else:
-                body = response_body(outcome, p)
-            return JSONResponse(body, headers=headers)
+            return parse
 
-        async def generate_content(request: Request) -> Response:
-            return await generate(request, streaming=False)
-
-        async def stream_generate_content(request: Request) -> Response:
-            return await generate(request, streaming=True)
-
-        async def count_tokens(request: Request) -> Response:
-            try:
-                session = await gateway.session(request)
-                body = await read_body(request, gateway.max_body)
-                model = request.path_params["model"]
-                conv = await gateway.parse(session, body, lambda b, f: parse_count_tokens(b, model, f))
-                total = await gateway.core.count_tokens(session, conv)
-            except GatewayError as err:
-                return self.error_response(err)
-            return JSONResponse({"totalTokens": total})
+        def count(body: bytes, files: Mapping[str, Image], at: serving.Incoming) -> Conversation:
+            return parse_count_tokens(body, at.path_params["model"], files)
 
         async def model_info(request: Request, name: str) -> dict[str, Any]:
-            session = await gateway.session(request)
+            session = await host.session(request)
             return {
                 "name": f"models/{name}",
-                "version": f"policy-v{gateway.core.engine.policy_version}",
+                "version": f"policy-v{host.policy_version}",
                 "displayName": name,
-                "inputTokenLimit": gateway.core.max_context,
+                "inputTokenLimit": host.max_context,
                 "outputTokenLimit": session.policy.max_tokens,
                 "supportedGenerationMethods": list(ACTIONS),
             }
 
-        async def list_models(request: Request) -> Response:
-            try:
-                return JSONResponse({"models": [await model_info(request, "policy")]})
-            except GatewayError as err:
-                return self.error_response(err)
+        async def list_models(request: Request) -> dict[str, Any]:
+            return {"models": [await model_info(request, "policy")]}
 
-        async def get_model(request: Request) -> Response:
+        async def get_model(request: Request) -> dict[str, Any]:
             model = request.path_params["model"]
-            try:
-                if ":" in model:  # an action asked for with GET
-                    raise GatewayError(404, f"Unknown endpoint GET {request.url.path}.", kind="not_found")
-                return JSONResponse(await model_info(request, model))
-            except GatewayError as err:
-                return self.error_response(err)
+            if ":" in model:  # an action asked for with GET
+                raise GatewayError(404, f"Unknown endpoint GET {request.url.path}.", kind="not_found")
+            return await model_info(request, model)
 
-        handlers = (generate_content, stream_generate_content, count_tokens)
-        routes: list[BaseRoute] = []
+        routes: list[serving.RouteSpec] = []
         for version in ("/v1beta", "/v1"):
-            for action, handler in zip(ACTIONS, handlers, strict=True):
-                path = f"{prefix}{version}/models/{{model:path}}:{action}"
-                routes.append(Route(path, handler, methods=["POST"]))
-        return [
-            *routes,
-            Route(prefix + "/v1beta/models", list_models, methods=["GET"]),
-            Route(prefix + "/v1beta/models/{model:path}", get_model, methods=["GET"]),
-        ]
-
-    def owns_path(self, path: str) -> bool:
-        return re.match(r"(?:/r/[^/]+)?/(?:v1beta(?:/|$)|v1/models/.*:)", path) is not None
-
-    def error_response(self, err: GatewayError) -> Response:
-        return JSONResponse(error_body(err), status_code=_http_status(err), headers=err.headers())
+            path = f"{version}/models/{{model:path}}:"
+            routes += [
+                serving.CallRoute(path + "generateContent", generate(streaming=False)),
+                serving.CallRoute(path + "streamGenerateContent", generate(streaming=True)),
+                serving.CountRoute(path + "countTokens", count, lambda tokens: {"totalTokens": tokens}),
+            ]
+        routes.append(serving.InfoRoute("/v1beta/models", list_models))
+        routes.append(serving.InfoRoute("/v1beta/models/{model:path}", get_model))
+        return routes

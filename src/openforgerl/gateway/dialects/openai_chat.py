@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
-from openforgerl.gateway.core import CallOutcome
-from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed
+from openforgerl.gateway import serving
+from openforgerl.gateway.core import CallOutcome, PreparedCall
+from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed, validated
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
-from openforgerl.gateway.http import JSONResponse
 from openforgerl.images import Image, image_from_data_url, image_from_file, image_from_url
 from openforgerl.jsonutil import dumps
 
-if TYPE_CHECKING:
-    from openforgerl.gateway.app import Gateway
-
 NAME = "openai"
+Decode = Callable[[Sequence[int]], str]
 
 
 class _Wire(BaseModel):
@@ -159,18 +155,19 @@ def _content(
     return "".join(texts), images
 
 
+def _invalid(exc: ValidationError) -> GatewayError:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {err['msg']}")
+    return bad_request(f"Invalid value for '{loc}': {err['msg']}", param=loc or None)
+
+
 def parse_request(
     body: bytes, files: Mapping[str, Image] | None = None
 ) -> tuple[Conversation, ChatCompletionRequest]:
     """The body as a Conversation (and the validated wire request); GatewayError 400 if malformed."""
-    try:
-        req = ChatCompletionRequest.model_validate_json(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "json_invalid":
-            raise bad_request(f"The request body is not valid JSON: {err['msg']}") from exc
-        raise bad_request(f"Invalid value for '{loc}': {err['msg']}", param=loc or None) from exc
+    req = validated(ChatCompletionRequest, body, _invalid)
     if req.n != 1:
         raise bad_request("Only n=1 is supported: send one request per sample.", param="n")
     messages = []
@@ -246,7 +243,7 @@ def _fingerprint(out: CallOutcome) -> str:
     return f"policy-v{out.policy_version}" if out.policy_version >= 0 else "upstream"
 
 
-def _logprobs(out: CallOutcome, decode: Any) -> dict[str, Any]:
+def _logprobs(out: CallOutcome, decode: Decode) -> dict[str, Any]:
     return {
         "content": [
             {"token": decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
@@ -255,7 +252,7 @@ def _logprobs(out: CallOutcome, decode: Any) -> dict[str, Any]:
     }
 
 
-def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Any) -> bytes:
+def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Decode) -> bytes:
     message: dict[str, Any] = {"role": "assistant", "content": out.message.content or None}
     if out.message.reasoning:
         message["reasoning_content"] = out.message.reasoning
@@ -283,7 +280,7 @@ def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Any) -> 
 
 
 def stream_chunks(
-    out: CallOutcome, req: ChatCompletionRequest, chunk_id: str, decode: Any
+    out: CallOutcome, req: ChatCompletionRequest, chunk_id: str, decode: Decode
 ) -> Iterator[bytes]:
     """The SSE events after the role chunk, for a finished call."""
     created = int(time.time())
@@ -358,57 +355,39 @@ def stream_error(err: GatewayError) -> bytes:
     return b"data: " + error_body(err) + b"\n\n"
 
 
-class OpenAIChat:
-    """`POST /v1/chat/completions` and `GET /v1/models`."""
+class ChatExchange(serving.Exchange):
+    """One chat completion request: its answer as a body or as chunks."""
+
+    def __init__(self, conv: Conversation, req: ChatCompletionRequest, decode: Decode) -> None:
+        self.conv, self.req, self.decode = conv, req, decode
+        self.chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
+
+    def body(self, out: CallOutcome) -> bytes:
+        return response_body(out, self.req, self.decode)
+
+    def stream_start(self, call: PreparedCall) -> bytes:
+        return role_chunk(self.chunk_id, self.req.model)
+
+    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
+        return stream_chunks(out, self.req, self.chunk_id, self.decode)
+
+    def stream_error(self, err: GatewayError) -> bytes:
+        return stream_error(err)
+
+
+class OpenAIChat(serving.JSONErrors):
+    """`POST /v1/chat/completions` and `GET /v1/models`; the fallback for paths no dialect owns."""
 
     name = NAME
+    error_body = staticmethod(error_body)
 
-    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
-        async def chat_completions(request: Request) -> Response:
-            parsed: list[ChatCompletionRequest] = []
+    def routes(self, host: serving.Host) -> list[serving.RouteSpec]:
+        def parse(body: bytes, files: Mapping[str, Image], _: serving.Incoming) -> ChatExchange:
+            return ChatExchange(*parse_request(body, files), host.decode)
 
-            def parse(body: bytes, files: Mapping[str, Image]) -> Conversation:
-                conv, req = parse_request(body, files)
-                parsed.append(req)
-                return conv
-
-            try:
-                prepared = await gateway.open_call(request, parse)
-            except GatewayError as err:
-                return self.error_response(err)
-            req = parsed[0]
-            decode = gateway.core.renderer.decode
-            if req.stream:
-                chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
-                return gateway.stream_call(
-                    prepared,
-                    role_chunk(chunk_id, req.model),
-                    lambda out: stream_chunks(out, req, chunk_id, decode),
-                    stream_error,
-                )
-            try:
-                outcome = await gateway.finish_call(request, prepared)
-            except GatewayError as err:
-                return self.error_response(err)
-            if outcome is None:  # the client is gone; nobody reads this
-                return Response(status_code=499)
-            return JSONResponse(response_body(outcome, req, decode))
-
-        async def models(request: Request) -> Response:
-            try:
-                await gateway.session(request)
-            except GatewayError as err:
-                return self.error_response(err)
+        async def models(request: Request) -> dict[str, Any]:
+            await host.session(request)
             model = {"id": "policy", "object": "model", "created": 0, "owned_by": "openforgerl"}
-            return JSONResponse({"object": "list", "data": [model]})
+            return {"object": "list", "data": [model]}
 
-        return [
-            Route(prefix + "/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route(prefix + "/v1/models", models, methods=["GET"]),
-        ]
-
-    def owns_path(self, path: str) -> bool:
-        return True  # the fallback dialect: anything no other dialect claims
-
-    def error_response(self, err: GatewayError) -> Response:
-        return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())
+        return [serving.CallRoute("/v1/chat/completions", parse), serving.InfoRoute("/v1/models", models)]

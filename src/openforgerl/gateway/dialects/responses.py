@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import re
@@ -49,13 +50,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from openforgerl import jsonutil
@@ -68,23 +67,20 @@ from openforgerl.conversation import (
     ToolCall,
     parse_arguments,
 )
+from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome, PreparedCall, Session, message_from_record
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS
 from openforgerl.gateway.dialects.openai_chat import error_body
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
-from openforgerl.gateway.http import KEEPALIVE_S, JSONResponse, read_body
+from openforgerl.gateway.http import KEEPALIVE_S, JSONResponse
 from openforgerl.images import Image, image_from_file, image_from_url
 from openforgerl.store import Store
-
-if TYPE_CHECKING:
-    from openforgerl.gateway.app import Gateway
 
 NAME = "openai-responses"
 CONTEXTS_PER_ROLLOUT = 16  # responses remembered per rollout: the latest, its retries, side requests
 ROLLOUTS_REMEMBERED = 2048  # rollouts with remembered responses (least recently used go first)
 
 log = logging.getLogger(__name__)
-_OWNED = re.compile(r"^(/r/[^/]+)?/v1/responses(/|$)")
 
 
 class _Wire(BaseModel):
@@ -549,17 +545,56 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-class Reply:
-    """One response being answered: its ids, its Response object and its numbered events."""
+Remember = Callable[[str, Context], None]  # (response id, its context): kept for the rollout
 
-    def __init__(self, turn: Turn, stream_id: str | None = None) -> None:
-        self.turn = turn
+
+class Reply(serving.Exchange):
+    """One response being answered: its ids, its Response object and its numbered events; once it
+    is answered, its context is remembered for the rollout (`previous_response_id`)."""
+
+    def __init__(self, turn: Turn, remember: Remember, stream_id: str | None = None) -> None:
+        self.turn, self.conv, self._remember = turn, turn.conv, remember
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.stream_id = stream_id  # WebSocket lane: echoed on each event when the client named one
         self.seq = 0
         self._items: list[dict[str, Any]] | None = None
 
+    def remember(self, out: CallOutcome | None) -> None:
+        """Keep this response's context: the conversation with its output (None: prewarmed)."""
+        context = self.turn.context
+        messages = context.messages if out is None else (*context.messages, out.message)
+        self._remember(self.id, Context(context.instructions, messages, context.tools))
+
+    # -- the HTTP exchange's hooks --------------------------------------------------------
+    def without_model(self) -> Response | None:
+        if self.turn.req.generate:
+            return None
+        self.remember(None)
+        if self.turn.req.stream:
+            return Response(sse(self.prewarm_events()), media_type="text/event-stream")
+        return JSONResponse(self.prewarmed())
+
+    def prepared(self, call: PreparedCall) -> None:
+        """The call is recorded with what rebuilding this response's context needs."""
+        call.response_id = self.id
+        call.response_context = self.turn.recorded(call.plan.parent is not None)
+
+    def body(self, out: CallOutcome) -> bytes:
+        self.remember(out)
+        return jsonutil.dumps(self.completed(out))
+
+    def stream_start(self, call: PreparedCall) -> bytes:
+        return sse(self.opening())
+
+    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
+        self.remember(out)
+        return [sse(self.finished(out))]
+
+    def stream_error(self, err: GatewayError) -> bytes:
+        return sse(self.failed(err))
+
+    # -- the Responses API's objects and events -------------------------------------------
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, **fields, "sequence_number": self.seq}
         if self.stream_id is not None:
@@ -768,111 +803,51 @@ def ws_error(err: GatewayError) -> dict[str, Any]:
     }
 
 
-class OpenAIResponses:
+class OpenAIResponses(serving.JSONErrors):
     """`POST /v1/responses` and the WebSocket transport on `GET /v1/responses`."""
 
     name = NAME
+    owned = re.compile(r"^(/r/[^/]+)?/v1/responses(/|$)")
+    error_body = staticmethod(error_body)
 
     def __init__(self) -> None:
         self.contexts = Contexts()
 
     def turn(
-        self, session: Session, body: bytes | dict[str, Any], files: Mapping[str, Image], store: Store
+        self, rollout_id: str, body: bytes | dict[str, Any], files: Mapping[str, Image], store: Store
     ) -> Turn:
         """Parse a request body, expanding its `previous_response_id` from this rollout's memory, or
         from `store` when memory has lost it (a restart; a read of the store, which is why this
         belongs on a worker thread, like the rest of parsing)."""
-        rollout = session.rollout.id
 
         def recall(response_id: str) -> Context | None:
-            context = self.contexts.get(rollout, response_id)
+            context = self.contexts.get(rollout_id, response_id)
             if context is None:
-                context = rebuilt_context(store, rollout, response_id)
+                context = rebuilt_context(store, rollout_id, response_id)
                 if context is not None:
-                    self.contexts.put(rollout, response_id, context)
+                    self.contexts.put(rollout_id, response_id, context)
             return context
 
         return parse_turn(body, recall, files)
 
-    @staticmethod
-    async def prepare(gateway: Gateway, session: Session, reply: Reply) -> PreparedCall:
-        """The core's call for a reply, recorded with what rebuilding the reply's context needs."""
-        prepared = await gateway.core.prepare(session, reply.turn.conv)
-        prepared.response_id = reply.id
-        prepared.response_context = reply.turn.recorded(prepared.plan.parent is not None)
-        return prepared
+    def reply(self, turn: Turn, rollout_id: str, stream_id: str | None = None) -> Reply:
+        return Reply(turn, functools.partial(self.contexts.put, rollout_id), stream_id)
 
-    def remember(self, session: Session, reply: Reply, out: CallOutcome | None) -> None:
-        context = reply.turn.context
-        messages = context.messages if out is None else (*context.messages, out.message)
-        self.contexts.put(
-            session.rollout.id, reply.id, Context(context.instructions, messages, context.tools)
-        )
+    def routes(self, host: serving.Host) -> list[serving.RouteSpec]:
+        def parse(body: bytes, files: Mapping[str, Image], at: serving.Incoming) -> Reply:
+            return self.reply(self.turn(at.rollout_id, body, files, host.store), at.rollout_id)
 
-    def routes(self, gateway: Gateway, prefix: str) -> list[BaseRoute]:
-        async def create(request: Request) -> Response:
-            try:
-                session = await gateway.session(request)
-                body = await read_body(request, gateway.max_body)
-                store = gateway.core.store
-                turn = await gateway.parse(
-                    session, body, lambda b, files: self.turn(session, b, files, store)
-                )
-                reply = Reply(turn)
-                if not turn.req.generate:
-                    self.remember(session, reply, None)
-                    if turn.req.stream:
-                        return Response(sse(reply.prewarm_events()), media_type="text/event-stream")
-                    return JSONResponse(reply.prewarmed())
-                prepared = await self.prepare(gateway, session, reply)
-            except GatewayError as err:
-                return self.error_response(err)
-            if turn.req.stream:
+        async def serve(websocket: WebSocket, session: Session) -> None:
+            await _Socket(self, host, websocket, session).serve()
 
-                def events(out: CallOutcome) -> list[bytes]:
-                    self.remember(session, reply, out)
-                    return [sse(reply.finished(out))]
-
-                return gateway.stream_call(
-                    prepared, sse(reply.opening()), events, lambda err: sse(reply.failed(err))
-                )
-            try:
-                outcome = await gateway.finish_call(request, prepared)
-            except GatewayError as err:
-                return self.error_response(err)
-            if outcome is None:  # the client is gone; nobody reads this
-                return Response(status_code=499)
-            self.remember(session, reply, outcome)
-            return JSONResponse(reply.completed(outcome))
-
-        async def socket(websocket: WebSocket) -> None:
-            try:
-                # Gateway.session reads only headers, query and path params, which a WebSocket has too.
-                session = await gateway.session(cast(Request, websocket))
-            except GatewayError as err:
-                await websocket.send_denial_response(self.error_response(err))
-                return
-            await websocket.accept()
-            with contextlib.suppress(WebSocketDisconnect):
-                await _Socket(self, gateway, websocket, session).serve()
-
-        return [
-            Route(prefix + "/v1/responses", create, methods=["POST"]),
-            WebSocketRoute(prefix + "/v1/responses", socket),
-        ]
-
-    def owns_path(self, path: str) -> bool:
-        return bool(_OWNED.match(path))
-
-    def error_response(self, err: GatewayError) -> Response:
-        return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())
+        return [serving.CallRoute("/v1/responses", parse), serving.SocketRoute("/v1/responses", serve)]
 
 
 class _Socket:
     """One WebSocket connection: frames are answered in order; a disconnect aborts the generation."""
 
-    def __init__(self, dialect: OpenAIResponses, gateway: Gateway, websocket: WebSocket, session: Session):
-        self.dialect, self.gateway, self.websocket, self.session = dialect, gateway, websocket, session
+    def __init__(self, dialect: OpenAIResponses, host: serving.Host, websocket: WebSocket, session: Session):
+        self.dialect, self.host, self.websocket, self.session = dialect, host, websocket, session
         self.frames: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         self.gone = asyncio.Event()
 
@@ -916,16 +891,16 @@ class _Socket:
             raise bad_request(f"Unsupported event type {kind!r}: send 'response.create'.", param="type")
         stream_id = event.get("stream_id")
         raw = frame.encode() if isinstance(frame, str) else frame
-        store = self.gateway.core.store
-        turn = await self.gateway.parse(
-            self.session, raw, lambda _, files: self.dialect.turn(self.session, event, files, store)
+        rollout, store = self.session.rollout.id, self.host.store
+        turn = await self.host.parse(
+            self.session, raw, lambda _, files: self.dialect.turn(rollout, event, files, store)
         )
-        reply = Reply(turn, stream_id if isinstance(stream_id, str) else None)
+        reply = self.dialect.reply(turn, rollout, stream_id if isinstance(stream_id, str) else None)
         if not turn.req.generate:
-            self.dialect.remember(self.session, reply, None)
+            reply.remember(None)
             await self._send(reply.prewarm_events())
             return
-        prepared = await self.dialect.prepare(self.gateway, self.session, reply)
+        prepared = await self.host.prepare(self.session, reply)
         try:
             await self._send(reply.opening())
             outcome = await self._run(prepared, reply)
@@ -933,14 +908,14 @@ class _Socket:
             await self._send(reply.failed(err))
             return
         finally:
-            self.gateway.core.release(prepared)
+            self.host.release(prepared)
         if outcome is not None:
-            self.dialect.remember(self.session, reply, outcome)
+            reply.remember(outcome)
             await self._send(reply.finished(outcome))
 
     async def _run(self, prepared: PreparedCall, reply: Reply) -> CallOutcome | None:
         """Generate; `response.in_progress` as keep-alive meanwhile; None if the client went away."""
-        task = asyncio.ensure_future(self.gateway.core.run(prepared))
+        task = asyncio.ensure_future(self.host.run(prepared))
         gone = asyncio.ensure_future(self.gone.wait())
         try:
             while True:

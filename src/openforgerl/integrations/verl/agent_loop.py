@@ -8,10 +8,11 @@ awaits `run(sampling_params, **row)`. Ours:
 2. opens a rollout on this worker process's gateway (one per process, started on first use, shared
    by all loops), whose engine is veRL's own `server_manager` (`engine.VerlServerEngine`), with
    veRL's temperature and top_p as the rollout's sampling;
-3. runs the task through our `Runner`: a local sandbox (bubblewrap where present), the harness
-   (the task's, else `openforge.harness`: the built-in ReAct harness by default), the verifier;
-4. builds merged samples from the calls the gateway recorded (`trajectory.build_samples`) and
-   returns them as `list[AgentLoopOutput]` (V1 trainer; the legacy trainer gets the single
+3. runs the task through the rollouts service (`rollouts/service.py`): a local sandbox (bubblewrap
+   where present), the harness (the task's, else `openforge.harness`: the built-in ReAct harness by
+   default), the verifier;
+4. returns the merged samples the service built of the calls the gateway recorded as
+   `list[AgentLoopOutput]` (V1 trainer; the legacy trainer gets the single
    sample, or an error naming the fix when the rollout branched).
 
 Options come from the trainer config's `openforge:` section (see `LoopOptions`), and from keyword
@@ -37,7 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
@@ -47,14 +47,14 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
+from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.integrations.verl.data import AGENT_NAME, task_from_row
 from openforgerl.integrations.verl.engine import ServerManager, VerlServerEngine
 from openforgerl.integrations.verl.samples import split_sample
-from openforgerl.launch import HarnessChoice, LaunchOptions
-from openforgerl.runner import OnFailure, RolloutResult, Runner, RunnerConfig, Status, python_binds
-from openforgerl.sandbox.local import LocalBackend
+from openforgerl.rollouts.results import RolloutResult, Status
+from openforgerl.rollouts.runner import OnFailure
+from openforgerl.rollouts.service import RolloutJob, RolloutService
 from openforgerl.tasks import Task
-from openforgerl.trajectory import Sample, build_samples, calls_from_json
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class WorkerGateway:
     admin_token: str
     engine: VerlServerEngine
     store: Path
-    backend: LocalBackend
+    service: RolloutService  # its rollouts, in local sandboxes
     _stack: contextlib.ExitStack = field(repr=False)
 
     def close(self) -> None:
@@ -146,7 +146,8 @@ def worker_gateway(
         )
         stack = contextlib.ExitStack()
         running = stack.enter_context(serve_in_thread(cfg, engine))
-        gw = WorkerGateway(running.url, running.gateway.admin_token, engine, store, LocalBackend(), stack)
+        service = RolloutService.of(running)
+        gw = WorkerGateway(running.url, running.gateway.admin_token, engine, store, service, stack)
         if not _GATEWAYS:
             atexit.register(close_worker_gateways)
         _GATEWAYS[key] = gw
@@ -235,13 +236,30 @@ class OpenForgeAgentLoop(AgentLoopBase):
         settings = self._gateway_settings()
         return await asyncio.to_thread(worker_gateway, self.server_manager, loop, **settings)
 
-    def _harness(self, task: Task) -> tuple[HarnessChoice, list[str]]:
-        """The task's harness (launch.py: the same choice as `openforge train`) and its binds."""
+    def _job(
+        self, task: Task, sampling_params: Mapping[str, Any], row: Mapping[str, Any], state: Path
+    ) -> RolloutJob:
+        """The row's rollout: the task's harness (harnesses/launch.py: the same choice as `openforge
+        train`), veRL's temperature and top_p, the loop's failure options."""
         o = self.options
         cache = Path(o.harness_cache) if o.harness_cache else None
         choice = HarnessChoice(o.harness, LaunchOptions(o.max_turns, o.max_tokens, cache_dir=cache))
-        choice.check([task])
-        return choice, [*python_binds(), *choice.ro_binds([task])]
+        run_id = "verl-step{}-{}-{}".format(
+            _plain(row.get("global_steps", "")), _plain(row.get("uid", "")), _plain(row.get("session_id", ""))
+        )
+        return RolloutJob(
+            choice,
+            run_id=run_id,
+            state_path=state / "runner.db",
+            concurrency=1,
+            infra_retries=o.infra_retries,
+            on_failure=o.on_failure,
+            sampling={
+                "temperature": float(sampling_params.get("temperature", 1.0)),
+                "top_p": float(sampling_params.get("top_p", 1.0)),
+            },
+            include_side_requests=o.include_side_requests,
+        )
 
     # -- one rollout ------------------------------------------------------------------------
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
@@ -249,7 +267,10 @@ class OpenForgeAgentLoop(AgentLoopBase):
         t0 = time.monotonic()
         task = task_from_row(_plain(kwargs.get("extra_info")))
         gw = await self.gateway()
-        result = await self._run_task(gw, task, sampling_params, kwargs)
+        with tempfile.TemporaryDirectory(prefix="openforge-verl-run-") as tmp:
+            job = self._job(task, sampling_params, kwargs, Path(tmp))
+            job.harness.check([task])
+            [result] = await gw.service.collect([task], 1, job)
         if result.status == Status.INFRA_FAILED:
             raise RolloutInfraError(
                 f"task {task.id}: the infrastructure failed ({result.outcome}): "
@@ -258,56 +279,17 @@ class OpenForgeAgentLoop(AgentLoopBase):
         if result.status == Status.DROPPED or not result.gateway_rollout_id:
             return self._finish([])
         assert result.reward is not None, "a done rollout has a reward"
-        payload = result.calls or await self._recorded(gw, result.gateway_rollout_id)
-        samples = build_samples(
-            calls_from_json(payload), result.reward, include_side_requests=self.options.include_side_requests
-        )
-        outputs = self.to_outputs(samples, result, payload, time.monotonic() - t0)
-        return self._finish(outputs)
-
-    async def _run_task(
-        self, gw: WorkerGateway, task: Task, sampling_params: Mapping[str, Any], row: Mapping[str, Any]
-    ) -> RolloutResult:
-        harness, binds = self._harness(task)
-        run_id = "verl-step{}-{}-{}".format(
-            _plain(row.get("global_steps", "")), _plain(row.get("uid", "")), _plain(row.get("session_id", ""))
-        )
-        with tempfile.TemporaryDirectory(prefix="openforge-verl-run-") as tmp:
-            cfg = RunnerConfig(
-                gateway_url=gw.url,
-                admin_token=gw.admin_token,
-                run_id=run_id,
-                state_path=Path(tmp) / "runner.db",
-                concurrency=1,
-                infra_retries=self.options.infra_retries,
-                on_failure=self.options.on_failure,
-                sampling={
-                    "temperature": float(sampling_params.get("temperature", 1.0)),
-                    "top_p": float(sampling_params.get("top_p", 1.0)),
-                },
-                ro_binds=binds,
+        if result.calls is None:
+            raise RuntimeError(
+                f"task {task.id}: the gateway gave no calls of rollout {result.gateway_rollout_id}"
             )
-            runner = Runner(cfg, gw.backend, harness)
-            try:
-                [result] = await runner.run([task], 1)
-            finally:
-                await runner.close()
-        return result
+        return self._finish(self.to_outputs(result, time.monotonic() - t0))
 
-    async def _recorded(self, gw: WorkerGateway, rollout_id: str) -> dict[str, Any]:
-        headers = {"authorization": f"Bearer {gw.admin_token}"}
-        async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=120) as client:
-            resp = await client.get(f"/admin/rollouts/{rollout_id}/calls")
-            resp.raise_for_status()
-            payload: dict[str, Any] = resp.json()
-            return payload
-
-    def to_outputs(
-        self, samples: list[Sample], result: RolloutResult, payload: Mapping[str, Any], seconds: float
-    ) -> list[AgentLoopOutput]:
-        """Samples -> veRL outputs: prompt before the first sampled token, masks 1 on sampled ids."""
+    def to_outputs(self, result: RolloutResult, seconds: float) -> list[AgentLoopOutput]:
+        """The rollout's samples -> veRL outputs: prompt before the first sampled token, masks 1 on
+        sampled ids."""
         reward = float(result.reward or 0.0)
-        generate_s = sum(float(c.get("latency_ms") or 0.0) for c in payload["calls"]) / 1000.0
+        generate_s = sum(float(c.latency_ms or 0.0) for c in result.calls or ()) / 1000.0
         metrics = AgentLoopMetrics(
             generate_sequences=generate_s,
             # Everything else the harness did between model calls: tools, its own logic.
@@ -315,7 +297,7 @@ class OpenForgeAgentLoop(AgentLoopBase):
             compute_score=result.seconds.get("verify", 0.0),
         )
         outputs = []
-        for sample in samples:
+        for sample in result.samples:
             seq = split_sample(sample, self.prompt_length, self.response_length)
             if seq is None:
                 continue

@@ -116,6 +116,7 @@ class VerlServerEngine:
     """
 
     name = "verl"
+    supports_response_format = False
 
     def __init__(
         self,

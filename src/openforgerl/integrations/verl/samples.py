@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openforgerl.trajectory import Sample
+from openforgerl.rollouts.trajectory import Sample
 
 
 @dataclass(frozen=True, slots=True)

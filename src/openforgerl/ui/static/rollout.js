@@ -83,7 +83,7 @@ function callCard(c, index) {
   const upstream = (c.engine || "").startsWith("upstream:");
   const meta = [
     `${c.dialect} dialect`, `model "${c.model}"`,
-    upstream ? `answered by ${c.engine} (text only)` : c.reused_tokens ? `${fmt.int(c.prompt_tokens)} prompt tokens (${fmt.int(c.reused_tokens)} of them the extended call's exact ids)` : `${fmt.int(c.prompt_tokens)} prompt tokens (new)`,
+    upstream ? `answered by ${c.engine} (text only)` : c.reused_prompt_tokens ? `${fmt.int(c.prompt_tokens)} prompt tokens (${fmt.int(c.reused_prompt_tokens)} of them the extended call's exact ids)` : `${fmt.int(c.prompt_tokens)} prompt tokens (new)`,
     `${fmt.int(c.completion_tokens)} sampled`, `finish: ${c.finish_reason ?? "–"}`, fmt.secs(c.latency_ms / 1000),
     c.policy_version !== null ? `policy v${c.policy_version}` : null,
   ].filter(Boolean);
@@ -95,13 +95,13 @@ function callCard(c, index) {
       h("span", { class: "meta" }, meta.join(" · "))),
     branch,
     c.side_request ? h("div", { class: "branch" }, `side request: ${c.side_request}`) : null,
-    c.messages.length ? h("div", { class: "new-msgs" }, h("div", { class: "sub" }, c.parent_call_id === null ? "The conversation the harness sent" : "New messages the harness sent since the call this one extends"), c.messages.map((m) => message(m))) : null,
+    c.messages_delta.length ? h("div", { class: "new-msgs" }, h("div", { class: "sub" }, c.parent_call_id === null ? "The conversation the harness sent" : "New messages the harness sent since the call this one extends"), c.messages_delta.map((m) => message(m))) : null,
     c.status === "ok" ? message(c.response, { generated: true, by: upstream ? `the upstream ${c.model}` : "the policy" }) : h("div", { class: "error" }, c.error || "the call failed"),
     c.parse_errors.length ? h("div", { class: "error" }, `parse errors: ${c.parse_errors.join("; ")}`) : null);
 }
 
 function firstUserMessage(calls) {
-  for (const c of calls) for (const m of c.messages) if (m.role === "user" && (m.content || m.images?.length)) return m;
+  for (const c of calls) for (const m of c.messages_delta) if (m.role === "user" && (m.content || m.images?.length)) return m;
   return null;
 }
 

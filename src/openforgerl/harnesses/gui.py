@@ -9,7 +9,7 @@ browser. It stops when the policy calls `answer`, or after --max-steps calls. Wh
 longer fits the model's context (the gateway's `context_length_exceeded`), the history starts over
 from the newest screenshot with the task restated (`compactions` in the result) and the loop goes on.
 
-    python -m openforgerl.gui_agent --base-url URL --api-key KEY --task @FILE --site NAME \\
+    python -m openforgerl.harnesses.gui --base-url URL --api-key KEY --task @FILE --site NAME \\
         --max-steps 15 [--a11y] [--width 640 --height 480]
 
 Tools: click(x, y) in screenshot pixels, type(text) into the focused field, key(key) such as Enter,
@@ -44,7 +44,6 @@ read) into the work directory, and prints one JSON line at the end.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import ipaddress
 import json
@@ -59,6 +58,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit
+
+from openforgerl.harnesses import builtin
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -614,10 +615,7 @@ def _step(b: Browser, msg: Any, history: History, out: Outcome) -> tuple[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", required=True, help="the rollout's base URL (without /v1)")
-    ap.add_argument("--api-key", required=True)
-    ap.add_argument("--task", required=True, help="the instruction, or @FILE to read it from a file")
+    ap = builtin.command_line(__doc__)
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--site", help="a local site to serve: shop, booking, wiki or settings")
     where.add_argument("--start-url", help="or a URL to start at (no local site)")
@@ -628,31 +626,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=640)
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--keep-images", type=int, default=3, help="screenshots kept as images in the prompt")
-    ap.add_argument("--model", default="policy")
-    ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--workdir", default=".")
     ap.add_argument("--state", default=STATE, help="the site's state file (in the work directory)")
     ap.add_argument("--chromium", default=CHROMIUM)
     a = ap.parse_args(argv)
-    task = Path(a.task[1:]).read_text() if a.task.startswith("@") else a.task
     out = run(
-        a.base_url,
-        a.api_key,
-        task,
+        **builtin.common_args(a),
         site=a.site,
         start_url=a.start_url,
-        model=a.model,
         max_steps=a.max_steps,
-        max_tokens=a.max_tokens,
         a11y=a.a11y,
         width=a.width,
         height=a.height,
         keep_images=a.keep_images,
-        workdir=Path(a.workdir),
         state=a.state,
         chromium=a.chromium,
     )
-    print(json.dumps(asdict(out)), flush=True)
+    builtin.report(out)
     return out.exit_code
 
 

@@ -10,25 +10,25 @@ types), `httpx` 0.27 s, `urllib` 0.09 s; on a 2-core machine the SDK's import wa
 tools-tiny rollout's cost. Retries follow the SDK's rules (connection errors, 408, 409, 429, 5xx;
 exponential back-off, `Retry-After` honoured).
 
-    python -m openforgerl.react_agent --base-url URL --api-key KEY --task "..." [--max-turns 16]
+    python -m openforgerl.harnesses.react --base-url URL --api-key KEY --task "..." [--max-turns 16]
 
 It prints one JSON line at the end: turns taken, why it stopped, the submitted answer.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from openforgerl.faults import ToolFaults
+from openforgerl.harnesses import builtin
 
 SYSTEM_PROMPT = (
     "You are an agent working in a workspace directory. Use the tools to inspect and change files. "
@@ -238,28 +238,12 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base-url", required=True, help="the rollout's base URL (without /v1)")
-    ap.add_argument("--api-key", required=True)
-    ap.add_argument("--task", required=True, help="the instruction, or @FILE to read it from a file")
-    ap.add_argument("--model", default="policy")
+    ap = builtin.command_line(__doc__)
     ap.add_argument("--max-turns", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--workdir", default=".")
     ap.add_argument("--tool-timeout", type=float, default=60.0)
     a = ap.parse_args(argv)
-    task = Path(a.task[1:]).read_text() if a.task.startswith("@") else a.task
-    out = run(
-        a.base_url,
-        a.api_key,
-        task,
-        model=a.model,
-        max_turns=a.max_turns,
-        max_tokens=a.max_tokens,
-        workdir=Path(a.workdir),
-        tool_timeout=a.tool_timeout,
-    )
-    print(json.dumps(asdict(out)), flush=True)
+    out = run(**builtin.common_args(a), max_turns=a.max_turns, tool_timeout=a.tool_timeout)
+    builtin.report(out)
     return 0 if out.stopped != "api_error" else 2
 
 

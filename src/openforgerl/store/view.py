@@ -1,9 +1,10 @@
-"""Read-only queries over a gateway store for the viewer: pages of rollouts, one rollout, run totals.
+"""The store read-only, as the viewer reads it: pages of rollouts, one rollout with its calls, run
+totals, images. `Store` is the gateway's (it writes); `StoreView` never writes.
 
 The store is opened with a `mode=ro` URI, so the viewer can never write to it. Sorting and paging
 stay index-backed at 100,000+ rollouts:
 
-- sorts on the rollouts table use the store's `rollouts_run` index and the `VIEWER_INDEXES` below;
+- sorts on the rollouts table use the store's `rollouts_run` index and its `VIEWER_INDEXES`;
 - turns, tokens and dialect live in the calls table. Calls are append-only (never updated once
   inserted) and rollouts' rowids only grow, so a TEMP table on the viewer's own connection (the
   only thing a read-only connection may write) sums them incrementally: each refresh reads only the
@@ -30,28 +31,17 @@ from typing import Any
 
 import orjson
 
+from openforgerl.images import MEDIA_TYPES
+from openforgerl.store.records import CallRow, RolloutRow
 from openforgerl.store.sqlite import (
-    _CALL_COLS,
-    _ROLLOUT_COLS,
-    CallRow,
-    RolloutRow,
-    _call_from_row,
-    _rollout_from_row,
+    CALL_COLS,
+    IN_CHUNK,
+    ROLLOUT_COLS,
+    VIEWER_INDEXES,
+    call_from_row,
+    connect_read_only,
+    rollout_from_row,
 )
-
-# The indexes the rollouts table needs for every sort key; propose them for the store's SCHEMA.
-VIEWER_INDEXES = {
-    "rollouts_run_task": "CREATE INDEX IF NOT EXISTS rollouts_run_task ON rollouts(run_id, task_id)",
-    "rollouts_run_status": "CREATE INDEX IF NOT EXISTS rollouts_run_status ON rollouts(run_id, status)",
-    "rollouts_run_reward": "CREATE INDEX IF NOT EXISTS rollouts_run_reward ON rollouts(run_id, reward)",
-    "rollouts_run_seconds": (
-        "CREATE INDEX IF NOT EXISTS rollouts_run_seconds ON rollouts(run_id, closed_at - created_at)"
-    ),
-    "rollouts_run_outcome": (
-        "CREATE INDEX IF NOT EXISTS rollouts_run_outcome"
-        " ON rollouts(run_id, json_extract(details, '$.outcome'))"
-    ),
-}
 
 _STATS_SCHEMA = """
 CREATE TEMP TABLE IF NOT EXISTS rollout_stats (
@@ -94,10 +84,9 @@ MAX_PAGE_SIZE = 500
 
 DIGEST = re.compile(r"[0-9a-f]{64}")  # an image's name: the hex sha256 of its bytes
 # What the gateway stores (it reads the type off the bytes); anything else is served as opaque bytes.
-IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/webp", "image/gif"})
+IMAGE_TYPES = frozenset(MEDIA_TYPES.values())
 # The calls' columns for a store from before images, which lacks `image_digests`.
-_OLD_CALL_COLS = _CALL_COLS.replace("image_digests", "'[]' AS image_digests")
-_IN_CHUNK = 500  # digests per `IN (...)` query, below SQLite's limit on parameters
+_OLD_CALL_COLS = CALL_COLS.replace("image_digests", "'[]' AS image_digests")
 
 
 @dataclass(frozen=True)
@@ -185,10 +174,7 @@ class StoreView:
             finally:
                 rw.close()
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, isolation_level=None
-        )
-        self._db.row_factory = sqlite3.Row
+        self._db = connect_read_only(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA busy_timeout = 10000")
         self._db.execute("PRAGMA temp_store = MEMORY")
         self._db.executescript(_STATS_SCHEMA)
@@ -301,11 +287,11 @@ class StoreView:
         """The rollout, its calls in seq order and its stats row."""
         with self._lock:
             self._refresh_stats()
-            found = self._db.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE id = ?", (rollout_id,))
+            found = self._db.execute(f"SELECT {ROLLOUT_COLS} FROM rollouts WHERE id = ?", (rollout_id,))
             row = found.fetchone()
             if row is None:
                 return None
-            cols = _CALL_COLS if self._has_column("calls", "image_digests") else _OLD_CALL_COLS
+            cols = CALL_COLS if self._has_column("calls", "image_digests") else _OLD_CALL_COLS
             calls = self._db.execute(
                 f"SELECT {cols} FROM calls WHERE rollout_id = ? ORDER BY seq", (rollout_id,)
             ).fetchall()
@@ -314,7 +300,7 @@ class StoreView:
                 " WHERE rollout_id = ?",
                 (rollout_id,),
             ).fetchone()
-        return _rollout_from_row(row), [_call_from_row(c) for c in calls], dict(stats) if stats else {}
+        return rollout_from_row(row), [call_from_row(c) for c in calls], dict(stats) if stats else {}
 
     def _has_column(self, table: str, column: str) -> bool:
         # Asked on every read, not once: a newer gateway may migrate an old store while it is viewed.
@@ -332,8 +318,8 @@ class StoreView:
         with self._lock:
             if not wanted or not self._has_images():
                 return out
-            for i in range(0, len(wanted), _IN_CHUNK):
-                chunk = wanted[i : i + _IN_CHUNK]
+            for i in range(0, len(wanted), IN_CHUNK):
+                chunk = wanted[i : i + IN_CHUNK]
                 rows = self._db.execute(
                     "SELECT digest, media_type, width, height, length(bytes) AS size FROM images"
                     f" WHERE digest IN ({','.join('?' * len(chunk))})",

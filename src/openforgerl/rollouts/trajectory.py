@@ -1,4 +1,4 @@
-"""Recorded calls + reward -> training samples.
+"""Recorded calls + reward -> training samples; the typed record of a call (`RecordedCall`).
 
 Merge mode (the default): a call whose prompt ids start with the whole of an earlier sample's
 sequence (prompt + sampled completion, and any calls merged into it since) is appended to that
@@ -27,24 +27,10 @@ turns those into chat rows for SFT).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from openforgerl.store import CallRow, Store
-
-
-def side_request_reason(requested: dict[str, Any], rollout_uses_tools: bool) -> str:
-    """Why a call looks like a side request (title, router, memory extraction), '' if it does not.
-
-    Harnesses send these through the same endpoint and key; training may include or skip them.
-    """
-    reasons = []
-    if requested.get("response_format"):
-        reasons.append("asks for structured output")
-    if rollout_uses_tools and not requested.get("tools"):
-        reasons.append("no tools while the rollout's conversation has them")
-    return "; ".join(reasons)
-
+from openforgerl.store import CallRow, public_calls
 
 Mode = Literal["merge", "per_call"]
 NO_VERSION = -1  # in `Sample.policy_versions`: a prompt token, or an engine that reported no version
@@ -52,7 +38,10 @@ NO_VERSION = -1  # in `Sample.policy_versions`: a prompt token, or an engine tha
 
 @dataclass(frozen=True, slots=True)
 class RecordedCall:
-    """One model call as the builder needs it: full prompt ids, sampled ids and their logprobs."""
+    """One recorded model call, typed: the public shape of a recorded call (`store.public_calls`), as
+    the gateway's `GET /admin/rollouts/{id}/calls` gives it (or the store's rows: `calls_from_rows`).
+    The builder reads the full prompt ids, the sampled ids and their logprobs; the behaviour metrics
+    read the messages (openforgerl.behaviour)."""
 
     call_id: int
     prompt_ids: Sequence[int]
@@ -66,51 +55,38 @@ class RecordedCall:
     status: str = "ok"
     rollout_id: str = ""
     image_digests: Sequence[str] = ()  # the full prompt's images, in order
+    seq: int = 0  # the call's place in its rollout
+    parent_call_id: int | None = None  # the call whose conversation this one continues
+    error: str = ""
+    model: str = ""
+    dialect: str = ""
+    engine: str = ""
+    reused_prompt_tokens: int = 0  # prompt ids the gateway's token memory carried over
+    stop_reason: str | int | None = None
+    sampling_requested: Mapping[str, Any] = field(default_factory=dict)
+    sampling_used: Mapping[str, Any] = field(default_factory=dict)
+    messages_delta: Sequence[Mapping[str, Any]] = ()  # the messages new in this call's request
+    response: Mapping[str, Any] = field(default_factory=dict)  # its answer, as a message
+    parse_errors: Sequence[str] = ()
+    created_at: float = 0.0
+    latency_ms: float | None = None
 
 
 def calls_from_rows(rows: Sequence[CallRow]) -> list[RecordedCall]:
-    """Adapter for the store's rows of one rollout (in seq order): rebuilds the full prompts."""
-    prompts = Store.full_prompts(rows)
-    uses_tools = any(r.sampling_requested.get("tools") for r in rows)
-    out = []
-    for r in rows:
-        assert r.id is not None, "rows read from the store have ids"
-        out.append(
-            RecordedCall(
-                call_id=r.id,
-                prompt_ids=prompts[r.id],
-                completion_ids=r.completion_ids,
-                completion_logprobs=r.completion_logprobs,
-                policy_version=r.policy_version,
-                finish_reason=r.finish_reason,
-                side_request=side_request_reason(r.sampling_requested, uses_tools),
-                branch_id=r.branch_id,
-                branch_reason=r.branch_reason,
-                status=r.status,
-                rollout_id=r.rollout_id,
-                image_digests=list(r.image_digests),
-            )
-        )
-    return out
+    """Adapter for the store's rows of one rollout (in seq order), through the public shape of a
+    recorded call (`store.public_calls`: the full prompts rebuilt, side requests flagged)."""
+    return calls_from_json({"rollout_id": rows[0].rollout_id if rows else "", "calls": public_calls(rows)})
+
+
+_FIELDS = frozenset(f.name for f in fields(RecordedCall)) - {"rollout_id"}  # in calls_from_json
 
 
 def calls_from_json(payload: Mapping[str, Any]) -> list[RecordedCall]:
-    """Adapter for the body of the gateway's GET /admin/rollouts/{id}/calls."""
+    """Adapter for the body of the gateway's GET /admin/rollouts/{id}/calls: its fields are named as
+    RecordedCall's (a null one takes the default)."""
+    rollout_id = payload.get("rollout_id", "")
     return [
-        RecordedCall(
-            call_id=c["call_id"],
-            prompt_ids=c["prompt_ids"],
-            completion_ids=c["completion_ids"],
-            completion_logprobs=c["completion_logprobs"],
-            policy_version=c.get("policy_version"),
-            finish_reason=c.get("finish_reason"),
-            side_request=c.get("side_request", ""),
-            branch_id=c.get("branch_id", 0),
-            branch_reason=c.get("branch_reason", ""),
-            status=c.get("status", "ok"),
-            rollout_id=payload.get("rollout_id", ""),
-            image_digests=c.get("image_digests") or [],
-        )
+        RecordedCall(**{k: v for k, v in c.items() if k in _FIELDS and v is not None}, rollout_id=rollout_id)
         for c in payload["calls"]
     ]
 
