@@ -160,17 +160,30 @@ def serve_in_thread(cfg: GatewayConfig, engine: Engine | None = None) -> Iterato
     cfg.port = cfg.port or free_port()
     cfg.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
     app, gateway = build_app(cfg, engine)
-    server = uvicorn.Server(uvicorn.Config(app, **server_options(cfg)))
+    config = uvicorn.Config(app, **server_options(cfg))
+    with uvicorn_in_thread(config, "the gateway", start_timeout=120, stop_timeout=60) as loop:
+        yield RunningGateway(f"http://{cfg.host}:{cfg.port}", gateway, loop)
+
+
+@contextlib.contextmanager
+def uvicorn_in_thread(
+    config: uvicorn.Config, what: str, *, start_timeout: float, stop_timeout: float
+) -> Iterator[asyncio.AbstractEventLoop]:
+    """Serve `config` on a new event loop in a daemon thread; yields that loop once it has started.
+
+    On exit the server is told to stop and its thread is given `stop_timeout` seconds to end.
+    """
+    server = uvicorn.Server(config)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + start_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not start")
+            raise RuntimeError(f"{what} did not start")
         time.sleep(0.02)
     try:
-        yield RunningGateway(f"http://{cfg.host}:{cfg.port}", gateway, loop)
+        yield loop
     finally:
         server.should_exit = True
-        thread.join(timeout=60)
+        thread.join(timeout=stop_timeout)

@@ -173,6 +173,18 @@ def npm_package_version(prefix: Path, package: str) -> str | None:
     return version if isinstance(version, str) else None
 
 
+def check_installed(name: str, pinned: str, installed: str | None, binary: Path) -> Check:
+    """What `check()` reports for a harness whose installed version (None: not installed) was read."""
+    missing = ""
+    if installed is None:
+        missing = f"not installed (openforge harness install {name})"
+    elif installed != pinned:
+        missing = f"version {installed} installed, {pinned} pinned"
+    elif not binary.exists():
+        missing = f"{binary} is missing"
+    return Check(name, pinned, installed, missing)
+
+
 class NpmHarness:
     """The common shape of the npm-installed harnesses: one npm prefix per harness."""
 
@@ -199,15 +211,27 @@ class NpmHarness:
             npm_install(self.prefix, f"{self.package}@{self.version}")
 
     def check(self) -> Check:
-        installed = npm_package_version(self.prefix, self.package)
-        missing = ""
-        if installed is None:
-            missing = f"not installed (openforge harness install {self.name})"
-        elif installed != self.version:
-            missing = f"version {installed} installed, {self.version} pinned"
-        elif not self.binary.exists():
-            missing = f"{self.binary} is missing"
-        return Check(self.name, self.version, installed, missing)
+        return check_installed(
+            self.name, self.version, npm_package_version(self.prefix, self.package), self.binary
+        )
+
+    # The one settings file `prepare` writes, relative to the private HOME (adapters that write more, or
+    # something other than JSON, override `prepare`).
+    settings_file: str
+
+    def settings(self, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, Any]:
+        """The content of `settings_file` for one rollout."""
+        raise NotImplementedError
+
+    def environment(self, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        """The variables set on top of `base_env`."""
+        return {}
+
+    def prepare(
+        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
+    ) -> dict[str, str]:
+        write_json(home / self.settings_file, self.settings(workdir, base_url, api_key, model))
+        return base_env(home) | self.environment(base_url, api_key, model)
 
     def succeeded(self, result: RunResult, home: Path) -> bool:
         return result.returncode == 0

@@ -13,8 +13,9 @@ Quirks:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from openforgerl.harnesses.base import Dialect, NpmHarness, base_env, write_json
+from openforgerl.harnesses.base import Dialect, NpmHarness
 
 NAME = "claude-code"
 PACKAGE = "@anthropic-ai/claude-code"
@@ -29,34 +30,29 @@ class ClaudeCode(NpmHarness):
     bin_name = "claude"
     dialect: Dialect = "anthropic"
 
-    def prepare(
-        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
-    ) -> dict[str, str]:
-        write_json(
-            home / ".claude.json",
-            {
-                "hasCompletedOnboarding": True,
-                "customApiKeyResponses": {"approved": [api_key[-20:]], "rejected": []},
-                "projects": {
-                    str(workdir): {"hasTrustDialogAccepted": True, "allowedTools": list(ALLOWED_TOOLS)}
-                },
-                "bypassPermissionsModeAccepted": True,
-                "autoUpdates": False,
-            },
-        )
-        env = base_env(home)
-        env.update(
-            ANTHROPIC_BASE_URL=base_url,
-            ANTHROPIC_API_KEY=api_key,
-            ANTHROPIC_MODEL=model,
-            ANTHROPIC_SMALL_FAST_MODEL=model,
-            ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
-            DISABLE_AUTOUPDATER="1",
-            DISABLE_TELEMETRY="1",
-            DISABLE_ERROR_REPORTING="1",
-            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-        )
-        return env
+    settings_file = ".claude.json"
+
+    def settings(self, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, Any]:
+        return {
+            "hasCompletedOnboarding": True,
+            "customApiKeyResponses": {"approved": [api_key[-20:]], "rejected": []},
+            "projects": {str(workdir): {"hasTrustDialogAccepted": True, "allowedTools": list(ALLOWED_TOOLS)}},
+            "bypassPermissionsModeAccepted": True,
+            "autoUpdates": False,
+        }
+
+    def environment(self, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        return {
+            "ANTHROPIC_BASE_URL": base_url,
+            "ANTHROPIC_API_KEY": api_key,
+            "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_SMALL_FAST_MODEL": model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        }
 
     def command(self, task: str, resume: bool = False) -> list[str]:
         return [

@@ -16,8 +16,9 @@ Quirks:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from openforgerl.harnesses.base import Dialect, NpmHarness, base_env, write_json
+from openforgerl.harnesses.base import Dialect, NpmHarness
 
 NAME = "gemini-cli"
 PACKAGE = "@google/gemini-cli"
@@ -31,20 +32,17 @@ class GeminiCli(NpmHarness):
     bin_name = "gemini"
     dialect: Dialect = "gemini"
 
-    def prepare(
-        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
-    ) -> dict[str, str]:
-        write_json(
-            home / ".gemini" / "settings.json",
-            {
-                "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
-                "privacy": {"usageStatisticsEnabled": False},
-                "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
-            },
-        )
-        env = base_env(home)
-        env.update(GEMINI_API_KEY=api_key, GOOGLE_GEMINI_BASE_URL=base_url)
-        return env
+    settings_file = ".gemini/settings.json"
+
+    def settings(self, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, Any]:
+        return {
+            "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
+            "privacy": {"usageStatisticsEnabled": False},
+            "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+        }
+
+    def environment(self, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        return {"GEMINI_API_KEY": api_key, "GOOGLE_GEMINI_BASE_URL": base_url}
 
     def command(self, task: str, resume: bool = False) -> list[str]:
         return [str(self.binary), *(["--resume", "latest"] if resume else []), "-p", task, "--yolo"]

@@ -25,6 +25,7 @@ from openforgerl.harnesses.base import (
     HarnessError,
     RunResult,
     base_env,
+    check_installed,
     default_cache_dir,
     write_json,
 )
@@ -72,14 +73,7 @@ class MiniSweAgent:
         installed = None
         if found:
             installed = found[-1].name.removeprefix("mini_swe_agent-").removesuffix(".dist-info")
-        missing = ""
-        if installed is None:
-            missing = f"not installed (openforge harness install {NAME})"
-        elif installed != VERSION:
-            missing = f"version {installed} installed, {VERSION} pinned"
-        elif not self.binary.exists():
-            missing = f"{self.binary} is missing"
-        return Check(NAME, VERSION, installed, missing)
+        return check_installed(NAME, VERSION, installed, self.binary)
 
     def prepare(
         self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None

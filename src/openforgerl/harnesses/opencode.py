@@ -14,8 +14,9 @@ Quirks:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from openforgerl.harnesses.base import Dialect, NpmHarness, base_env, write_json
+from openforgerl.harnesses.base import Dialect, NpmHarness
 
 NAME = "opencode"
 PACKAGE = "opencode-ai"
@@ -30,34 +31,31 @@ class OpenCode(NpmHarness):
     bin_name = "opencode"
     dialect: Dialect = "openai"
 
-    def prepare(
-        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
-    ) -> dict[str, str]:
-        write_json(
-            home / ".config" / "opencode" / "opencode.json",
-            {
-                "$schema": "https://opencode.ai/config.json",
-                "provider": {
-                    PROVIDER: {
-                        "npm": "@ai-sdk/openai-compatible",
-                        "name": "OpenForgeRL gateway",
-                        "options": {"baseURL": base_url + "/v1", "apiKey": api_key},
-                        "models": {model: {"name": model, "tool_call": True}},
-                    }
-                },
-                "model": f"{PROVIDER}/{model}",
-                "small_model": f"{PROVIDER}/{model}",
-                "autoupdate": False,
-                "share": "disabled",
+    settings_file = ".config/opencode/opencode.json"
+
+    def settings(self, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, Any]:
+        return {
+            "$schema": "https://opencode.ai/config.json",
+            "provider": {
+                PROVIDER: {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "OpenForgeRL gateway",
+                    "options": {"baseURL": base_url + "/v1", "apiKey": api_key},
+                    "models": {model: {"name": model, "tool_call": True}},
+                }
             },
-        )
-        env = base_env(home)
-        env.update(
-            OPENCODE_DISABLE_AUTOUPDATE="1",
-            OPENCODE_DISABLE_MODELS_FETCH="1",
-            OPENCODE_DISABLE_LSP_DOWNLOAD="1",
-        )
-        return env
+            "model": f"{PROVIDER}/{model}",
+            "small_model": f"{PROVIDER}/{model}",
+            "autoupdate": False,
+            "share": "disabled",
+        }
+
+    def environment(self, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        return {
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        }
 
     def command(self, task: str, resume: bool = False) -> list[str]:
         return [str(self.binary), "run", "--auto", *(["-c"] if resume else []), task]

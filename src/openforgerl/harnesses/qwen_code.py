@@ -13,8 +13,9 @@ Quirks:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from openforgerl.harnesses.base import Dialect, NpmHarness, base_env, write_json
+from openforgerl.harnesses.base import Dialect, NpmHarness
 
 NAME = "qwen-code"
 PACKAGE = "@qwen-code/qwen-code"
@@ -28,20 +29,17 @@ class QwenCode(NpmHarness):
     bin_name = "qwen"
     dialect: Dialect = "openai"
 
-    def prepare(
-        self, home: Path, workdir: Path, base_url: str, api_key: str, model: str, max_turns: int | None = None
-    ) -> dict[str, str]:
-        write_json(
-            home / ".qwen" / "settings.json",
-            {
-                "security": {"auth": {"selectedType": "openai"}},
-                "privacy": {"usageStatisticsEnabled": False},
-                "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
-            },
-        )
-        env = base_env(home)
-        env.update(OPENAI_API_KEY=api_key, OPENAI_BASE_URL=base_url + "/v1", OPENAI_MODEL=model)
-        return env
+    settings_file = ".qwen/settings.json"
+
+    def settings(self, workdir: Path, base_url: str, api_key: str, model: str) -> dict[str, Any]:
+        return {
+            "security": {"auth": {"selectedType": "openai"}},
+            "privacy": {"usageStatisticsEnabled": False},
+            "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+        }
+
+    def environment(self, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        return {"OPENAI_API_KEY": api_key, "OPENAI_BASE_URL": base_url + "/v1", "OPENAI_MODEL": model}
 
     def command(self, task: str, resume: bool = False) -> list[str]:
         return [str(self.binary), *(["--continue"] if resume else []), "-p", task, "--yolo"]

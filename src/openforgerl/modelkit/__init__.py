@@ -275,6 +275,16 @@ def _build_model(spec: ModelSize, tok: Any, seed: int, max_positions: int = MAX_
     return model
 
 
+def _start_build(out: str | Path, size: Size, max_positions: int) -> tuple[ModelSize, Path]:
+    """Check a build's size and context, and make its folder: (the size's spec, the folder)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    check_max_positions(max_positions)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return SIZES[size], out
+
+
 def init_model(
     out: str | Path, size: Size = "tiny", seed: int = 0, *, max_positions: int = MAX_POSITIONS
 ) -> Path:
@@ -287,12 +297,7 @@ def init_model(
     """
     import torch
 
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
-    check_max_positions(max_positions)
-    spec = SIZES[size]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    spec, out = _start_build(out, size, max_positions)
     tok = _save_tokenizer(_train_tokenizer(spec.vocab), out, max_positions=max_positions)
     model = _build_model(spec, tok, seed, max_positions)
     model.to(torch.float32).save_pretrained(out)
@@ -315,12 +320,7 @@ def init_vision_model(
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
-    check_max_positions(max_positions)
-    spec = SIZES[size]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    spec, out = _start_build(out, size, max_positions)
     raw = _train_tokenizer(spec.vocab)
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     template = vision_chat_template()

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -38,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from openforgerl.gateway.server import free_port
+from openforgerl.gateway.server import free_port, uvicorn_in_thread
 from openforgerl.sandbox.base import Limits, SandboxError, SandboxSpec
 from openforgerl.sandbox.local import LocalBackend, LocalSandbox
 
@@ -514,18 +513,8 @@ def fake_cluster(cluster: FakeCluster) -> Iterator[FakeCluster]:
     port = free_port()
     cluster.url = f"http://127.0.0.1:{port}"
     config = uvicorn.Config(cluster.app(), host="127.0.0.1", port=port, log_level="warning", ws="auto")
-    server = uvicorn.Server(config)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the fake API server did not start")
-        time.sleep(0.02)
-    try:
-        yield cluster
-    finally:
-        cluster.call(cluster.shutdown())
-        server.should_exit = True
-        thread.join(timeout=30)
+    with uvicorn_in_thread(config, "the fake API server", start_timeout=60, stop_timeout=30):
+        try:
+            yield cluster
+        finally:
+            cluster.call(cluster.shutdown())

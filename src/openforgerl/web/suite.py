@@ -139,29 +139,30 @@ def _booking_lookup(rng: random.Random, seed: int) -> Drawn:
 
 
 # -- wiki -----------------------------------------------------------------------------------------
-def _wiki_year(rng: random.Random, seed: int) -> Drawn:
-    from openforgerl.web.wiki import pages
+def _wiki_fact(questions: dict[str, tuple[str, str]], answer: str, unit: str = "") -> Family:
+    """Ask for one fact of a page: `questions` maps a page kind to (the question, the fact's name)."""
 
-    page = rng.choice([p for p in pages(seed) if p.kind in ("town", "person")])
-    if page.kind == "town":
-        question, fact = f"in which year was {page.title} founded", "Founded"
-    else:
-        question, fact = f"in which year was {page.title} born", "Born"
-    instruction = f"Use the wiki's search: {question}? Answer with the year only."
-    return Drawn(instruction, {"kind": "answer", "expected": page.fact(fact), "match": "number"}, {})
+    def draw(rng: random.Random, seed: int) -> Drawn:
+        from openforgerl.web.wiki import pages
+
+        page = rng.choice([p for p in pages(seed) if p.kind in questions])
+        question, fact = questions[page.kind]
+        expected = page.fact(fact).removesuffix(unit)
+        instruction = f"Use the wiki's search: {question.format(page.title)}? Answer with the {answer} only."
+        return Drawn(instruction, {"kind": "answer", "expected": expected, "match": "number"}, {})
+
+    return draw
 
 
-def _wiki_measure(rng: random.Random, seed: int) -> Drawn:
-    from openforgerl.web.wiki import pages
-
-    page = rng.choice([p for p in pages(seed) if p.kind in ("mountain", "lake")])
-    if page.kind == "mountain":
-        question, fact = f"how high is {page.title}, in metres", "Height"
-    else:
-        question, fact = f"how deep is {page.title}, in metres", "Depth"
-    expected = page.fact(fact).removesuffix(" m")
-    instruction = f"Use the wiki's search: {question}? Answer with the number only."
-    return Drawn(instruction, {"kind": "answer", "expected": expected, "match": "number"}, {})
+_wiki_year = _wiki_fact(
+    {"town": ("in which year was {} founded", "Founded"), "person": ("in which year was {} born", "Born")},
+    "year",
+)
+_wiki_measure = _wiki_fact(
+    {"mountain": ("how high is {}, in metres", "Height"), "lake": ("how deep is {}, in metres", "Depth")},
+    "number",
+    unit=" m",
+)
 
 
 def _wiki_edit_fact(rng: random.Random, seed: int) -> Drawn:

@@ -195,10 +195,15 @@ async def search(request: Request) -> Response:
     return _page("search", q=q, hits=hits)
 
 
-async def view(request: Request) -> Response:
+def _requested_page(request: Request) -> tuple[str, sqlite3.Row | None]:
+    """The slug in the path and its page's row (None where there is no such page)."""
     slug = request.path_params["slug"]
     with connect(db_path(request)) as db:
-        row = db.execute("SELECT * FROM pages WHERE slug = ?", (slug,)).fetchone()
+        return slug, db.execute("SELECT * FROM pages WHERE slug = ?", (slug,)).fetchone()
+
+
+async def view(request: Request) -> Response:
+    slug, row = _requested_page(request)
     if row is None:
         return _page("missing", status=404, slug=slug)
     facts, paragraphs = split_body(row["body"])
@@ -207,9 +212,7 @@ async def view(request: Request) -> Response:
 
 
 async def edit_form(request: Request) -> Response:
-    slug = request.path_params["slug"]
-    with connect(db_path(request)) as db:
-        row = db.execute("SELECT * FROM pages WHERE slug = ?", (slug,)).fetchone()
+    slug, row = _requested_page(request)
     if row is None:
         return _page("missing", status=404, slug=slug)
     return _page("edit", title=row["title"], slug=slug, body=row["body"], summary="", errors=[])
