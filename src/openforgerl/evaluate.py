@@ -16,49 +16,18 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from openforgerl import behaviour as acting
 from openforgerl.engines.base import Engine
+from openforgerl.eval_options import EvalOptions as EvalOptions
 from openforgerl.eval_stats import by_tag, summarize
 from openforgerl.gateway.server import GatewayConfig
-from openforgerl.gateway.upstream import UpstreamSpec
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rollouts.results import RolloutResult, Status
-from openforgerl.rollouts.runner import OnFailure, RunNetwork
 from openforgerl.rollouts.service import RolloutJob, RolloutService, embedded
 from openforgerl.rollouts.trajectory import token_stats
 from openforgerl.tasks import Task, load_tasks
-
-
-@dataclass
-class EvalOptions:
-    tasks: str
-    harness: str = "react"
-    k: int = 1
-    n: int | None = None
-    split: str | None = None
-    limit: int | None = None
-    model: str | None = None  # model directory for the embedded gateway
-    gateway: str | None = None  # or a running gateway's URL (with admin_token)
-    admin_token: str = ""
-    concurrency: int = 4
-    max_tokens: int = 256
-    max_turns: int = 12
-    max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
-    temperature: float = 1.0
-    seed: int | None = None  # seeded sampling (RunnerConfig.seed): reproducible, paired evaluations
-    on_failure: OnFailure = "zero"
-    out: Path = Path("runs/eval")
-    run_id: str = ""
-    progress: bool = True
-    network: RunNetwork = "gateway"  # "host": the sandboxes may use the host's network (live sites)
-    engine_threads: int | None = None  # the embedded engine's CPU threads (None: half the cores)
-    # External models the embedded gateway serves to rollouts created with "upstream": NAME (the LLM
-    # judge of web tasks asks "judge"); a running gateway (`gateway`) has its own.
-    upstreams: list[UpstreamSpec] = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager

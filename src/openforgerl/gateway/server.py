@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,49 +18,16 @@ import uvicorn
 from starlette.applications import Starlette
 
 from openforgerl.engines import make_engine
-from openforgerl.engines.base import PREFIX_CACHE_MB, Engine
+from openforgerl.engines.base import Engine
 from openforgerl.gateway.app import Gateway
+from openforgerl.gateway.config import GatewayConfig as GatewayConfig
 from openforgerl.gateway.connections import ConnectionLimits, protocol_class
 from openforgerl.gateway.core import GatewayCore
-from openforgerl.gateway.upstream import Upstream, UpstreamSpec
+from openforgerl.gateway.upstream import Upstream
 from openforgerl.gateway.workers import Workers
 from openforgerl.rendering import renderer_for
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import Store
-
-
-@dataclass
-class GatewayConfig:
-    model: str
-    engine: str = "builtin"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    store: str = "openforge.db"
-    admin_token: str = ""
-    public_url: str = ""
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    max_tokens: int = 1024
-    max_context: int | None = None  # prompt + completion; None: the model's own context length
-    max_inflight: int = 1024
-    max_body: int = 32 << 20
-    # Slow or stalled clients (slowloris): a request's headers must arrive within header_timeout_s
-    # (from the connection's opening, or the request's first byte on a reused one) and its body
-    # within body_timeout_s (from when the gateway starts reading it; 32 MB in 60 s is 0.5 MB/s).
-    header_timeout_s: float | None = 30.0
-    body_timeout_s: float | None = 60.0
-    # Open connections one peer address may hold. Every rollout's harness reaches a local gateway
-    # from 127.0.0.1 (directly or through its sandbox's relay), so this must hold a whole run: each
-    # of max_inflight calls in flight plus about as many idle keep-alive connections between calls.
-    # It bounds a flood well below the usual open-file limits; raise it with max_inflight.
-    max_connections_per_peer: int | None = 2048
-    durability: str = "full"
-    # Threads that parse, render and tokenise calls off the event loop (gateway/workers.py).
-    work_threads: int = 2
-    # External models a rollout can be answered by instead of the policy (`"upstream": NAME`).
-    upstreams: list[UpstreamSpec] = field(default_factory=list)
-    engine_threads: int | None = None  # the built-in engine's CPU threads (None: torch's default)
-    prefix_cache_mb: float = PREFIX_CACHE_MB  # the built-in engine's prefix cache (0: off)
 
 
 def build_app(cfg: GatewayConfig, engine: Engine | None = None) -> tuple[Starlette, Gateway]:

@@ -37,64 +37,25 @@ import os
 import re
 import secrets
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import httpx
 import orjson
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, ToolCall, parse_arguments
+from openforgerl.gateway.config import DEFAULT_KEY_ENVS as DEFAULT_KEY_ENVS
+from openforgerl.gateway.config import DEFAULT_URLS as DEFAULT_URLS
+from openforgerl.gateway.config import KINDS as KINDS
+from openforgerl.gateway.config import UpstreamKind as UpstreamKind
+from openforgerl.gateway.config import UpstreamSpec as UpstreamSpec
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request
 from openforgerl.images import Image
 from openforgerl.jsonutil import dumps
 from openforgerl.rendering import PromptPlan, TokenMemory, message_images, message_key, tools_key
 from openforgerl.sampling import derive_seed
 
-UpstreamKind = Literal["openai", "anthropic"]
-KINDS: tuple[UpstreamKind, ...] = ("openai", "anthropic")
-DEFAULT_URLS: dict[UpstreamKind, str] = {
-    "openai": "https://api.openai.com/v1",
-    "anthropic": "https://api.anthropic.com",
-}
-DEFAULT_KEY_ENVS: dict[UpstreamKind, str] = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
 ANTHROPIC_VERSION = "2023-06-01"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamSpec:
-    """One upstream: a name rollouts refer to, the API kind, the model, where, and the key's variable."""
-
-    name: str
-    kind: UpstreamKind
-    model: str
-    base_url: str = ""  # '' = the kind's public API
-    key_env: str = ""  # '' = OPENAI_API_KEY / ANTHROPIC_API_KEY
-    timeout: float = 600.0  # seconds for one call (the upstream is asked without streaming)
-    max_tokens: int = 4096  # sent to Anthropic when the harness set no max_tokens (it is required)
-
-    def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ValueError(f"upstream name {self.name!r}: use letters, digits, '_', '-' and '.'")
-        if self.kind not in KINDS:
-            raise ValueError(f"upstream {self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if not self.model:
-            raise ValueError(f"upstream {self.name}: a model name is required")
-        if self.base_url and urlparse(self.base_url).scheme not in ("http", "https"):
-            raise ValueError(f"upstream {self.name}: base URL {self.base_url!r} is not http(s)")
-        if self.timeout <= 0:
-            raise ValueError(f"upstream {self.name}: timeout must be positive")
-
-    @property
-    def url(self) -> str:
-        return (self.base_url or DEFAULT_URLS[self.kind]).rstrip("/")
-
-    @property
-    def env(self) -> str:
-        return self.key_env or DEFAULT_KEY_ENVS[self.kind]
-
-    def describe(self) -> str:
-        return f"{self.name}: {self.kind} model {self.model} at {self.url}, key from ${self.env}"
 
 
 def parse_upstream(text: str, *, timeout: float = 600.0) -> UpstreamSpec:

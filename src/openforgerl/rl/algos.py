@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos, rollout_corr_helper
 from verl.workers.config import ActorConfig
 from verl.workers.config import PolicyLossConfig as VerlPolicyLossConfig
+
+from openforgerl.rl.config import LossAggMode as LossAggMode
+from openforgerl.rl.config import LossConfig as LossConfig
 
 # veRL's estimators that need only one outcome reward per rollout (and the group index). GAE needs
 # a critic, ReMax a greedy baseline, GDPO several reward keys, the optimal-token baselines the
@@ -36,9 +39,6 @@ OUTCOME_ESTIMATORS = (
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
 )
-LossAggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
 
 
 def policy_loss_names() -> list[str]:
@@ -77,42 +77,6 @@ def outcome_advantages(
     return [float(a) for a in advantages[:, 0]]
 
 
-@dataclass
-class LossConfig:
-    """The policy-gradient objective. `loss` names a veRL policy loss; `tis` is truncated importance
-    sampling against the behaviour (rollout engine) logprobs: "token", "sequence" or None (off);
-    `kl_coef` > 0 adds veRL's `kl_penalty(kl_type)` to a frozen reference model as a loss term."""
-
-    loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    loss_agg_mode: LossAggMode = "token-mean"
-    tis: Literal["token", "sequence"] | None = "token"
-    tis_threshold: float = 2.0
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-
-    def actor_config(self, group_size: int) -> Any:
-        """veRL's ActorConfig carrying these settings (its policy losses read them from it)."""
-        if self.loss not in core_algos.POLICY_LOSS_REGISTRY:
-            raise ValueError(f"policy loss {self.loss!r}: choose from {', '.join(policy_loss_names())}")
-        return ActorConfig(
-            strategy="embedded",
-            rollout_n=group_size,
-            use_dynamic_bsz=True,  # micro-batches by token budget; no fixed micro-batch size
-            clip_ratio=self.clip_ratio_low,
-            clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c,
-            loss_agg_mode=self.loss_agg_mode,
-            policy_loss=VerlPolicyLossConfig(loss_mode=self.loss),
-            use_kl_loss=self.kl_coef > 0,
-            kl_loss_coef=self.kl_coef,
-            kl_loss_type=self.kl_type,
-        )
-
-
 @dataclass(frozen=True)
 class MiniBatchSize:
     """The optimizer step's whole batch, so that micro-batch losses add up to its mean (veRL's
@@ -120,6 +84,26 @@ class MiniBatchSize:
 
     tokens: int
     sequences: int
+
+
+def actor_config(cfg: LossConfig, group_size: int) -> Any:
+    """veRL's ActorConfig carrying these settings (its policy losses read them from it)."""
+    if cfg.loss not in core_algos.POLICY_LOSS_REGISTRY:
+        raise ValueError(f"policy loss {cfg.loss!r}: choose from {', '.join(policy_loss_names())}")
+    return ActorConfig(
+        strategy="embedded",
+        rollout_n=group_size,
+        use_dynamic_bsz=True,  # micro-batches by token budget; no fixed micro-batch size
+        clip_ratio=cfg.clip_ratio_low,
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        loss_agg_mode=cfg.loss_agg_mode,
+        policy_loss=VerlPolicyLossConfig(loss_mode=cfg.loss),
+        use_kl_loss=cfg.kl_coef > 0,
+        kl_loss_coef=cfg.kl_coef,
+        kl_loss_type=cfg.kl_type,
+    )
 
 
 def importance_weights(

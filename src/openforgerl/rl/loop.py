@@ -71,7 +71,6 @@ time in the loop) and time/wall (since the loop started); `timeline` holds wall-
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import random
 import shutil
@@ -89,63 +88,14 @@ from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
-from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, TrainerConfig, iter_checkpoints, passed
+from openforgerl.rl.config import TrainOptions as TrainOptions
+from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
-from openforgerl.rollouts.runner import OnFailure
 from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.tasks import Task, load_tasks
 
 RUN_FILE = "run.json"
-
-
-@dataclass
-class TrainOptions:
-    model: str  # the starting model directory (HF format)
-    out: Path  # the run folder
-    tasks: str = "tools-tiny"
-    split: str = "train"
-    skip_tasks: int = 0  # leave out the split's first N tasks (e.g. the N an SFT teacher solved)
-    harness: str = "react"  # react (tool calls) or gui (a browser on screenshots: web-basic, a VLM policy)
-    steps: int = 10
-    group: int = 4  # rollouts per task (G)
-    batch_tasks: int = 4  # tasks per step
-    max_tokens: int = 128  # per model call
-    max_turns: int = 8
-    max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
-    max_context: int | None = None  # prompt + completion; None: the model's own context length
-    concurrency: int = 8
-    temperature: float = 1.0
-    on_failure: OnFailure = "zero"
-    seed: int = 0
-    eval_every: int = 0  # held-out evaluation every N steps (0: never), greedy, one run per task
-    eval_split: str = "heldout"
-    eval_limit: int | None = None
-    keep_checkpoints: int = 2
-    progress: bool = True
-    overlap: bool = False  # rollouts of the next step(s) run while this one trains
-    max_lag: int = 1  # policy versions a trained sample may lag behind the trainer (and prefetch depth)
-    engine: str = "builtin"  # builtin, vllm:URL or sglang:URL (see the module docstring)
-    # SFT samples (the JSONL `openforge sft` reads) for the trainer's ptx term (trainer.ptx_coef).
-    ptx_data: str | None = None
-    # DAPO's dynamic sampling (veRL's filter_groups, max_num_gen_batches): above 1, a step draws
-    # up to this many batches of batch_tasks tasks, until batch_tasks groups have mixed rewards,
-    # and trains on those alone. 1: one batch, every group goes to the trainer (which drops the
-    # equal-reward ones).
-    max_gen_batches: int = 1
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["out"] = str(self.out)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TrainOptions:
-        d = dict(d)
-        d["out"] = Path(d["out"])
-        d["trainer"] = TrainerConfig.from_dict(d["trainer"])
-        return cls(**d)
 
 
 def load_options(run_dir: Path) -> TrainOptions:

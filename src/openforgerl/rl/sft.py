@@ -18,7 +18,6 @@ import json
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,30 +26,10 @@ from tqdm import tqdm
 
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
-from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, Tuning, passed
+from openforgerl.rl.config import SFTConfig as SFTConfig
+from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, passed
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
-
-
-@dataclass
-class SFTConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    epochs: int = 1
-    batch_size: int = 16  # sequences per optimizer step
-    micro_batch_tokens: int = 8192
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    device: str | None = None
-    # The learning-rate schedule over the run (transformers' schedulers): linear warm-up for
-    # `warmup_steps`, then "constant" or "cosine" decay. A model trained from scratch needs the
-    # warm-up to learn attention across a long harness prompt at a useful peak rate.
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    # Validation (fit's `val` samples): their loss every `eval_every` steps (0: before and after only).
-    eval_every: int = 0
-    # Every weight, or LoRA adapters (merged into the saved model); gradient checkpointing.
-    tuning: Tuning = field(default_factory=Tuning)
 
 
 def _sample(

@@ -50,6 +50,8 @@ from openforgerl import vision
 from openforgerl.engines.base import Engine
 from openforgerl.images import Image
 from openforgerl.rl import algos
+from openforgerl.rl.config import TrainerConfig as TrainerConfig
+from openforgerl.rl.config import Tuning as Tuning
 from openforgerl.rollouts.trajectory import Sample
 
 # digests -> the images among them that are kept (Store.images_sync); unknown digests are absent.
@@ -58,59 +60,6 @@ ImageSource = Callable[[Sequence[str]], dict[str, Image]]
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter (peft's format), beside the merged weights
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Which weights train and how activations are kept."""
-
-    lora_rank: int = 0  # 0: every weight; r > 0: rank-r LoRA adapters on every linear layer (peft)
-    lora_alpha: int | None = None  # LoRA scale numerator (default 2 x rank)
-    gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward pass
-
-    def __post_init__(self) -> None:
-        if self.lora_rank < 0:
-            raise ValueError(f"lora_rank must be 0 (off) or positive, not {self.lora_rank}")
-
-    @property
-    def lora(self) -> bool:
-        return self.lora_rank > 0
-
-    @classmethod
-    def coerce(cls, value: Tuning | dict[str, Any] | None) -> Tuning:
-        return value if isinstance(value, Tuning) else cls(**(value or {}))
-
-
-@dataclass
-class TrainerConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per forward/backward pass
-    mini_batches: int = 1  # optimizer updates per pass over the step's samples (PPO mini-batches)
-    ppo_epochs: int = 1  # passes over the step's samples (veRL's ppo_epochs)
-    estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    drop_zero_variance: bool = True
-    loss: algos.LossConfig = field(default_factory=algos.LossConfig)
-    temperature: float = 1.0  # must be the rollouts' sampling temperature
-    # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
-    # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
-    # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
-    ptx_coef: float = 0.0
-    ptx_batch: int = 16
-    seed: int = 0
-    device: str | None = None  # default: cuda when available, else cpu
-    tuning: Tuning = field(default_factory=Tuning)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
-        d = dict(d)
-        d["loss"] = algos.LossConfig(**d.get("loss", {}))
-        d["tuning"] = Tuning.coerce(d.get("tuning"))
-        d["betas"] = tuple(d.get("betas", (0.9, 0.999)))
-        return cls(**d)
 
 
 @dataclass

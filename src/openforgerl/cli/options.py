@@ -1,0 +1,327 @@
+"""Options several commands share: the upstream models, harnesses and tasks (eval, rollout, train,
+sft), the trainers' tuning (train, sft), and where a container backend is (doctor, gc).
+
+Defaults are read from the config dataclasses (light modules); what the options become is built
+lazily inside the helpers, so importing this module pulls in nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from openforgerl.eval_options import EvalOptions
+from openforgerl.gateway.config import UpstreamSpec
+from openforgerl.harnesses.adapters import HARNESSES
+from openforgerl.rl.config import Tuning
+
+CLI_HARNESSES = list(HARNESSES)  # the agent CLI adapters, for the help texts
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (also for slotted dataclasses, whose class
+    attributes are not their defaults)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no plain default")
+            return f.default
+    raise AttributeError(f"{cls.__name__} has no field {name}")
+
+
+def apply(options: Sequence[Callable[[Any], Any]], fn: Any) -> Any:
+    """Decorate `fn` with `options`, the first on top (as if written above it in that order)."""
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def upstream_options(fn: Any) -> Any:
+    """--upstream, --upstream-key-env and --upstream-timeout (the gateway, and eval's embedded one)."""
+    return apply(
+        [
+            click.option(
+                "--upstream",
+                "upstreams",
+                multiple=True,
+                metavar="NAME=KIND:MODEL[@BASE_URL]",
+                help='An external model rollouts created with "upstream": NAME are answered by (recorded '
+                "as text), KIND openai or anthropic, e.g. teacher=openai:gpt-4.1, judge=openai:gpt-4.1 "
+                "(the web tasks' LLM judge) or claude=anthropic:claude-sonnet-4-5@https://api.anthropic.com. "
+                "Repeatable.",
+            ),
+            click.option(
+                "--upstream-key-env",
+                "upstream_key_envs",
+                multiple=True,
+                metavar="NAME=ENVVAR",
+                help="The variable holding upstream NAME's key (default OPENAI_API_KEY / ANTHROPIC_API_KEY).",
+            ),
+            click.option(
+                "--upstream-timeout",
+                type=float,
+                default=field_default(UpstreamSpec, "timeout"),
+                show_default=True,
+                help="Seconds per upstream call.",
+            ),
+        ],
+        fn,
+    )
+
+
+def upstream_specs(upstreams: Sequence[str], key_envs: Sequence[str], timeout: float) -> list[Any]:
+    """The UpstreamSpecs of the --upstream / --upstream-key-env options; a bad one is a usage error."""
+    from openforgerl.gateway.upstream import parse_key_env, parse_upstream, with_key_envs
+
+    try:
+        return with_key_envs(
+            [parse_upstream(u, timeout=timeout) for u in upstreams],
+            dict(parse_key_env(k) for k in key_envs),
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--upstream / --upstream-key-env") from exc
+
+
+def harness_list(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+    """--harness: one name, or (for eval) several comma-separated, each a known harness."""
+    from openforgerl.harnesses.launch import check_name
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise click.BadParameter("name a harness", ctx, param)
+    for name in names:
+        try:
+            check_name(name)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+    return names
+
+
+def one_harness(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    names = harness_list(ctx, param, value)
+    if len(names) > 1:
+        raise click.BadParameter("one harness here (eval compares several)", ctx, param)
+    return names[0]
+
+
+def rollout_options(fn: Any) -> Any:
+    """Options shared by `eval` and `rollout` (defaults: EvalOptions)."""
+    fn = apply(
+        [
+            click.option(
+                "--tasks",
+                required=True,
+                help="A suite (tools-tiny, tools-tiny-faults, claw-basic, web-basic) or task file/dir.",
+            ),
+            click.option(
+                "--harness",
+                default=EvalOptions.harness,
+                show_default=True,
+                callback=harness_list,
+                help="react (the built-in tool-calling loop), gui (a browser agent on screenshots, "
+                f"web-basic) or an agent CLI: {', '.join(CLI_HARNESSES)}. eval takes several, "
+                "comma-separated: the harness study (one side-by-side report). A task's own harness wins.",
+            ),
+            click.option("--split", default=None, help="Only tasks of this split (train, heldout, test)."),
+            click.option("--limit", type=int, default=None, help="Only the first N tasks."),
+            click.option(
+                "--model", "model_dir", default=None, help="Model dir served by an embedded gateway."
+            ),
+            click.option("--gateway", "gateway_url", default=None, help="A running gateway's URL instead."),
+            click.option(
+                "--admin-token",
+                envvar="OPENFORGE_ADMIN_TOKEN",
+                default=EvalOptions.admin_token,
+                help="With --gateway.",
+            ),
+            click.option("--concurrency", type=int, default=EvalOptions.concurrency, show_default=True),
+            click.option(
+                "--max-tokens",
+                type=int,
+                default=EvalOptions.max_tokens,
+                show_default=True,
+                help="Per model call.",
+            ),
+            click.option(
+                "--max-turns",
+                type=int,
+                default=EvalOptions.max_turns,
+                show_default=True,
+                help="ReAct harness turns.",
+            ),
+            click.option(
+                "--max-steps",
+                type=int,
+                default=None,
+                help="GUI harness steps, e.g. 15, 50, 100 (default: task).",
+            ),
+            click.option(
+                "--temperature",
+                type=float,
+                default=EvalOptions.temperature,
+                show_default=True,
+                help="Sampling temperature (embedded gateway; 0: greedy).",
+            ),
+            click.option(
+                "--seed",
+                type=int,
+                default=None,
+                help="Seeded sampling: every run of a task samples from its own seed, so the same weights "
+                "give the same rollouts, and two models evaluated with one seed meet the same random "
+                "numbers (a paired comparison with less noise). The engine must honour seeds "
+                "(the built-in one and vLLM do).",
+            ),
+            click.option(
+                "--on-failure",
+                type=click.Choice(["zero", "drop", "verify"]),
+                default=EvalOptions.on_failure,
+                show_default=True,
+                help="Score of a rollout whose harness crashed or timed out.",
+            ),
+            click.option(
+                "--network",
+                type=click.Choice(["gateway", "host"]),
+                default=EvalOptions.network,
+                show_default=True,
+                help="What sandboxes reach: only the gateway, or the host's network (the internet and the "
+                "host's own services), which live-site tasks (webvoyager:FILE, online-mind2web:FILE) need.",
+            ),
+            click.option(
+                "--engine-threads",
+                type=int,
+                default=None,
+                help="CPU threads of the embedded engine (default: half the cores, the rest for the "
+                "sandboxes: a harness, a browser and the engine oversubscribing 2 cores slow calls 4-30x).",
+            ),
+            click.option("--out", type=click.Path(file_okay=False), default=None, help="Run folder."),
+        ],
+        fn,
+    )
+    return upstream_options(fn)
+
+
+def eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -> EvalOptions:
+    """The EvalOptions of `eval`'s and `rollout`'s options."""
+    from openforgerl.modelkit import cached_model
+
+    model_dir = kw.pop("model_dir")
+    upstreams = upstream_specs(kw["upstreams"], kw["upstream_key_envs"], kw["upstream_timeout"])
+    if upstreams and kw["gateway_url"] is not None:
+        raise click.UsageError(
+            "--upstream configures the embedded gateway; a running gateway (--gateway) serves its own "
+            "(openforge gateway --upstream ...)"
+        )
+    if model_dir is None and kw["gateway_url"] is None:
+        model_dir = str(cached_model("tiny", 0))
+        click.echo(f"no --model or --gateway: serving the tiny local model {model_dir}", err=True)
+    return EvalOptions(
+        tasks=kw["tasks"],
+        harness=kw["harness"],
+        k=k,
+        n=n,
+        split=kw["split"],
+        limit=kw["limit"],
+        model=model_dir,
+        gateway=kw["gateway_url"],
+        admin_token=kw["admin_token"],
+        concurrency=kw["concurrency"],
+        max_tokens=kw["max_tokens"],
+        max_turns=kw["max_turns"],
+        max_steps=kw["max_steps"],
+        temperature=kw["temperature"],
+        seed=kw["seed"],
+        on_failure=kw["on_failure"],
+        out=Path(kw["out"] or default_out),
+        network=kw["network"],
+        engine_threads=kw["engine_threads"],
+        upstreams=upstreams,
+    )
+
+
+def refusing_bad_network(run: Any, opts: Any) -> Any:
+    """Live-site tasks without --network host: a usage error that names the option."""
+    from openforgerl.harnesses.launch import HarnessNotInstalled
+    from openforgerl.rollouts.runner import NetworkNotAllowed
+
+    try:
+        return run(opts)
+    except NetworkNotAllowed as exc:
+        raise click.UsageError(str(exc)) from exc
+    except HarnessNotInstalled as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def tuning_options(fn: Any) -> Any:
+    """What the trainer trains: every weight, or LoRA adapters; gradient checkpointing (defaults: Tuning)."""
+    return apply(
+        [
+            click.option(
+                "--lora-rank",
+                type=click.IntRange(min=0),
+                default=Tuning.lora_rank,
+                show_default=True,
+                help="Train rank-r LoRA adapters on every linear layer (peft), the base frozen; 0: every "
+                "weight. Checkpoints hold the merged model (what engines load) and adapter/.",
+            ),
+            click.option(
+                "--lora-alpha",
+                type=click.IntRange(min=1),
+                default=Tuning.lora_alpha,
+                help="LoRA alpha [default: 2 x rank].",
+            ),
+            click.option(
+                "--gradient-checkpointing",
+                is_flag=True,
+                help="Recompute decoder layers' activations in the backward pass: less memory, more time.",
+            ),
+        ],
+        fn,
+    )
+
+
+def tuning(kw: dict[str, Any]) -> Tuning:
+    """The Tuning of the tuning options (popped from `kw`)."""
+    return Tuning(
+        lora_rank=kw.pop("lora_rank"),
+        lora_alpha=kw.pop("lora_alpha"),
+        gradient_checkpointing=kw.pop("gradient_checkpointing"),
+    )
+
+
+def backend_options(fn: Any) -> Any:
+    """Where a container backend is: options shared by `doctor --backend` and `gc`."""
+    return apply(
+        [
+            click.option(
+                "--config",
+                "backend_config",
+                type=click.Path(dir_okay=False, exists=True),
+                default=None,
+                help="The Kubernetes backend's settings (YAML, as deploy/kubernetes/backend.yaml).",
+            ),
+            click.option("--namespace", default=None, help="Kubernetes namespace (default: the config's)."),
+            click.option(
+                "--kubeconfig", default=None, help="Kubeconfig file (default $KUBECONFIG, ~/.kube/config)."
+            ),
+            click.option("--context", default=None, help="Kubeconfig context."),
+        ],
+        fn,
+    )
+
+
+def kubernetes_config(
+    backend_config: str | None, namespace: str | None, kubeconfig: str | None, context: str | None
+) -> Any:
+    import yaml
+
+    from openforgerl.sandbox.kubernetes import KubernetesConfig
+
+    settings: dict[str, Any] = {"run_id": "doctor", "image": "none"}
+    if backend_config:
+        settings |= yaml.safe_load(Path(backend_config).read_text()) or {}
+    overrides = {"namespace": namespace, "kubeconfig": kubeconfig, "context": context}
+    return KubernetesConfig.model_validate(settings | {k: v for k, v in overrides.items() if v is not None})

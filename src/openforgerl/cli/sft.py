@@ -1,0 +1,139 @@
+"""`openforge sft`: supervised fine-tuning (defaults: SFTConfig)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from openforgerl.cli.options import CLI_HARNESSES, one_harness, tuning, tuning_options
+from openforgerl.rl.config import SFTConfig
+
+
+@click.command("sft")
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSONL: samples or chats (export-sft's rows; with images, the student must be a VLM).",
+)
+@click.option(
+    "--teacher", type=click.Choice(["oracle"]), default=None, help="Make the data with this teacher."
+)
+@click.option(
+    "--tasks",
+    default="tools-tiny",
+    show_default=True,
+    help="The teacher's tasks (train split): tools-tiny, tools-tiny-faults, claw-basic.",
+)
+@click.option(
+    "--harness",
+    default="react",
+    show_default=True,
+    callback=one_harness,
+    help="With --teacher: the harness it acts in, through that harness's own tools and format "
+    f"(react or an agent CLI: {', '.join(CLI_HARNESSES)}).",
+)
+@click.option("--limit", type=int, default=None, help="Only the first N tasks (with --teacher).")
+@click.option(
+    "--show-work/--no-show-work",
+    default=True,
+    show_default=True,
+    help="With --teacher: it notes the values it reads and writes out its computation.",
+)
+@click.option("--model", "model_dir", required=True, help="The student model dir (HF format).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the trained model goes.")
+@click.option("--epochs", type=int, default=3, show_default=True)
+@click.option("--lr", type=float, default=SFTConfig.lr, show_default=True, help="(from scratch: 1e-3)")
+@click.option(
+    "--batch-size", type=int, default=SFTConfig.batch_size, show_default=True, help="Sequences per step."
+)
+@click.option("--micro-batch-tokens", type=int, default=SFTConfig.micro_batch_tokens, show_default=True)
+@click.option(
+    "--schedule",
+    type=click.Choice(["constant", "cosine"]),
+    default=SFTConfig.schedule,
+    show_default=True,
+    help="Learning-rate decay after the warm-up.",
+)
+@click.option(
+    "--warmup-steps",
+    type=int,
+    default=SFTConfig.warmup_steps,
+    show_default=True,
+    help="Linear warm-up steps.",
+)
+@click.option(
+    "--val-data",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="JSONL like --data, never trained on: its loss is logged (val_loss) and summarised.",
+)
+@click.option(
+    "--eval-every",
+    type=int,
+    default=SFTConfig.eval_every,
+    show_default=True,
+    help="Steps between val losses.",
+)
+@click.option("--seed", type=int, default=SFTConfig.seed, show_default=True)
+@click.option("--device", default=SFTConfig.device, help="cpu or cuda (default: cuda when available).")
+@tuning_options
+def sft_cmd(
+    data: str | None,
+    teacher: str | None,
+    tasks: str,
+    limit: int | None,
+    model_dir: str,
+    out: str,
+    val_data: str | None,
+    show_work: bool,
+    harness: str,
+    **kw: Any,
+) -> None:
+    """SFT on recorded trajectories (loss on the assistant's tokens only)."""
+    kw["tuning"] = tuning(kw)
+    from openforgerl.rl.sft import SFTTrainer, load_sft_data, oracle_samples, write_samples
+    from openforgerl.rollouts.trajectory import Sample
+
+    if (data is None) == (teacher is None):
+        raise click.UsageError("give exactly one of --data FILE.jsonl or --teacher oracle")
+    out_dir = Path(out)
+    if data is not None:
+        # Rows are checked (and their images decoded) before the student's weights are loaded.
+        try:
+            loaded = load_sft_data(data, model_dir)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+        trainer = SFTTrainer(model_dir, SFTConfig(**kw), image_source=loaded.image_source)
+        samples = list(loaded)
+    else:
+        from openforgerl.harnesses.launch import HarnessNotInstalled
+        from openforgerl.rl.oracle_teacher import ORACLE_SUITES
+
+        if tasks not in ORACLE_SUITES:
+            known = " and ".join(ORACLE_SUITES)
+            raise click.BadParameter(f"the oracle teacher knows {known} only", param_hint="--tasks")
+        trainer = SFTTrainer(model_dir, SFTConfig(**kw))
+        try:
+            samples = oracle_samples(
+                model_dir, out_dir / "teacher", tasks=tasks, limit=limit, show_work=show_work, harness=harness
+            )
+        except HarnessNotInstalled as exc:
+            raise click.ClickException(str(exc)) from exc
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_samples(samples, out_dir / "teacher" / "samples.jsonl")
+        click.echo(f"oracle teacher: {len(samples)} trajectories in {out_dir / 'teacher' / 'samples.jsonl'}")
+    val: list[Sample] = []
+    if val_data is not None:
+        try:
+            val = list(load_sft_data(val_data, model_dir))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+    summary = trainer.fit(samples, out_dir, val=val)
+    line = f"{summary['steps']} steps on {summary['samples']} samples: loss {summary['loss_before']:.3f} -> "
+    line += f"{summary['loss_after']:.3f}"
+    if val:
+        line += f", val loss {summary['val_loss_before']:.3f} -> {summary['val_loss_after']:.3f}"
+    click.echo(f"{line}; model in {summary['model']}")

@@ -1,0 +1,163 @@
+"""The trainers' and the RL loop's settings (LossConfig, Tuning, TrainerConfig, SFTConfig,
+TrainOptions): plain dataclasses in a light module, so the CLI reads their defaults without torch
+or veRL. The modules that use them (algos, trainer, sft, loop) re-export them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from openforgerl.rollouts.runner import OnFailure
+
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
+
+@dataclass
+class LossConfig:
+    """The policy-gradient objective. `loss` names a veRL policy loss; `tis` is truncated importance
+    sampling against the behaviour (rollout engine) logprobs: "token", "sequence" or None (off);
+    `kl_coef` > 0 adds veRL's `kl_penalty(kl_type)` to a frozen reference model as a loss term."""
+
+    loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: LossAggMode = "token-mean"
+    tis: Literal["token", "sequence"] | None = "token"
+    tis_threshold: float = 2.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+
+    def actor_config(self, group_size: int) -> Any:
+        """veRL's ActorConfig carrying these settings (its policy losses read them from it)."""
+        from openforgerl.rl.algos import actor_config
+
+        return actor_config(self, group_size)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Which weights train and how activations are kept."""
+
+    lora_rank: int = 0  # 0: every weight; r > 0: rank-r LoRA adapters on every linear layer (peft)
+    lora_alpha: int | None = None  # LoRA scale numerator (default 2 x rank)
+    gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward pass
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be 0 (off) or positive, not {self.lora_rank}")
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+    @classmethod
+    def coerce(cls, value: Tuning | dict[str, Any] | None) -> Tuning:
+        return value if isinstance(value, Tuning) else cls(**(value or {}))
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per forward/backward pass
+    mini_batches: int = 1  # optimizer updates per pass over the step's samples (PPO mini-batches)
+    ppo_epochs: int = 1  # passes over the step's samples (veRL's ppo_epochs)
+    estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    drop_zero_variance: bool = True
+    loss: LossConfig = field(default_factory=LossConfig)
+    temperature: float = 1.0  # must be the rollouts' sampling temperature
+    # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
+    # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
+    # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
+    ptx_coef: float = 0.0
+    ptx_batch: int = 16
+    seed: int = 0
+    device: str | None = None  # default: cuda when available, else cpu
+    tuning: Tuning = field(default_factory=Tuning)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
+        d = dict(d)
+        d["loss"] = LossConfig(**d.get("loss", {}))
+        d["tuning"] = Tuning.coerce(d.get("tuning"))
+        d["betas"] = tuple(d.get("betas", (0.9, 0.999)))
+        return cls(**d)
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    epochs: int = 1
+    batch_size: int = 16  # sequences per optimizer step
+    micro_batch_tokens: int = 8192
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    device: str | None = None
+    # The learning-rate schedule over the run (transformers' schedulers): linear warm-up for
+    # `warmup_steps`, then "constant" or "cosine" decay. A model trained from scratch needs the
+    # warm-up to learn attention across a long harness prompt at a useful peak rate.
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    # Validation (fit's `val` samples): their loss every `eval_every` steps (0: before and after only).
+    eval_every: int = 0
+    # Every weight, or LoRA adapters (merged into the saved model); gradient checkpointing.
+    tuning: Tuning = field(default_factory=Tuning)
+
+
+@dataclass
+class TrainOptions:
+    model: str  # the starting model directory (HF format)
+    out: Path  # the run folder
+    tasks: str = "tools-tiny"
+    split: str = "train"
+    skip_tasks: int = 0  # leave out the split's first N tasks (e.g. the N an SFT teacher solved)
+    harness: str = "react"  # react (tool calls) or gui (a browser on screenshots: web-basic, a VLM policy)
+    steps: int = 10
+    group: int = 4  # rollouts per task (G)
+    batch_tasks: int = 4  # tasks per step
+    max_tokens: int = 128  # per model call
+    max_turns: int = 8
+    max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
+    max_context: int | None = None  # prompt + completion; None: the model's own context length
+    concurrency: int = 8
+    temperature: float = 1.0
+    on_failure: OnFailure = "zero"
+    seed: int = 0
+    eval_every: int = 0  # held-out evaluation every N steps (0: never), greedy, one run per task
+    eval_split: str = "heldout"
+    eval_limit: int | None = None
+    keep_checkpoints: int = 2
+    progress: bool = True
+    overlap: bool = False  # rollouts of the next step(s) run while this one trains
+    max_lag: int = 1  # policy versions a trained sample may lag behind the trainer (and prefetch depth)
+    engine: str = "builtin"  # builtin, vllm:URL or sglang:URL (see the module docstring)
+    # SFT samples (the JSONL `openforge sft` reads) for the trainer's ptx term (trainer.ptx_coef).
+    ptx_data: str | None = None
+    # DAPO's dynamic sampling (veRL's filter_groups, max_num_gen_batches): above 1, a step draws
+    # up to this many batches of batch_tasks tasks, until batch_tasks groups have mixed rewards,
+    # and trains on those alone. 1: one batch, every group goes to the trainer (which drops the
+    # equal-reward ones).
+    max_gen_batches: int = 1
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["out"] = str(self.out)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrainOptions:
+        d = dict(d)
+        d["out"] = Path(d["out"])
+        d["trainer"] = TrainerConfig.from_dict(d["trainer"])
+        return cls(**d)
