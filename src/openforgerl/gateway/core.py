@@ -8,6 +8,7 @@ the `CallOutcome` back into its wire format. Nothing here knows a dialect.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import secrets
 import time
@@ -150,6 +151,8 @@ class GatewayCore:
         # None: the engine's own limit (a model's max_position_embeddings), so a student made with
         # `model init --max-positions 32768` serves a harness's 15k-token prompts without a flag.
         self.max_context: int = max_context or engine.max_context or 4096
+        # For the prompt-size check: read once here, not on the first request's event loop turn.
+        self._chars_per_token = 2 * renderer.max_token_chars
         self.max_inflight = max_inflight
         self.inflight = 0
         self._by_key: dict[str, Session] = {}
@@ -325,20 +328,25 @@ class GatewayCore:
             session, conv, plan, params, used, seq, time.time(), upstream_body=body, images=list(plan.images)
         )
 
-    def images_refused(
-        self, session: Session, shown: int | None = None, param: str = "messages"
-    ) -> GatewayError | None:
-        """The 400 for images this rollout's model cannot take (None when it takes them)."""
+    def images_refused(self, session: Session, shown: int | None = None) -> GatewayError | None:
+        """The 400 for images this rollout's model cannot take (None when it takes them); without a
+        count, the one error every request of a text model carries to its parse (made once)."""
         if session.upstream or self.renderer.takes_images:
             return None
-        many = "images" if shown is None else f"{shown}"
+        return self._no_images if shown is None else self._images_error(str(shown))
+
+    @functools.cached_property
+    def _no_images(self) -> GatewayError:
+        return self._images_error("images")
+
+    def _images_error(self, many: str) -> GatewayError:
         return GatewayError(
             400,
             f"The policy model {self.model_name} takes no images (it reads text only), and this "
             f"request shows {many}. Send text only, or serve a vision-language model.",
             kind="invalid_request",
             code="images_not_supported",
-            param=param,
+            param="messages",
         )
 
     def _check_prompt_size(self, conv: Conversation) -> None:
@@ -349,10 +357,8 @@ class GatewayCore:
         fold characters) cannot fit: answering that takes a sum instead of seconds of tokenising.
         """
         chars = sum(len(m.content) for m in conv.messages)
-        bound = self.max_context * self.renderer.max_token_chars * 2
-        if chars > bound:
-            at_least = chars // (self.renderer.max_token_chars * 2)
-            raise context_length_exceeded(at_least, self.max_context)
+        if chars > self.max_context * self._chars_per_token:
+            raise context_length_exceeded(chars // self._chars_per_token, self.max_context)
 
     def _plan(self, session: Session, conv: Conversation) -> PromptPlan:
         """Token memory's plan for the call; a 400 for images the policy cannot take."""

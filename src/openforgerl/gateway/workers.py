@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
-import ctypes.util
 import functools
 import threading
 import time
@@ -56,9 +55,8 @@ class Workers:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return getattr(libc, "malloc_trim", None)  # glibc only
+    # The process's own symbols: glibc's malloc_trim where it is (find_library would run ldconfig).
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 class _Trimmer:
