@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -27,6 +27,10 @@ class SamplingParams:
     # A structured-output request (OpenAI `response_format` shape), for engines that can constrain
     # decoding to it; the others ignore it and the record says it was not honoured.
     response_format: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+
+# Called on the event loop with each run of ids as they are sampled (see Engine.generate).
+TokenSink = Callable[[Sequence[int]], None]
 
 
 @dataclass(slots=True)
@@ -104,6 +108,12 @@ class Engine(Protocol):
 
     Cancelling the awaiting task aborts the generation (a client disconnected).
 
+    Streaming: given `on_tokens`, an engine that can calls it on the event loop with each run of
+    newly sampled ids, in order, before `generate` returns (the built-in engine once per decode
+    step, vLLM and SGLang per chunk of their streams). The runs concatenate to a prefix of the
+    result's `completion_ids` (normally all of them); the result stays the record's source of truth,
+    and an engine that cannot stream never calls it (its answer then streams whole at the end).
+
     Besides generating, an engine tells the gateway what it can take: `max_context` (the gateway
     clamps max_tokens to the room a prompt leaves) and `supports_response_format`.
     """
@@ -128,7 +138,11 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         """`images` are the prompt's images in order, one per image placeholder run in `prompt_ids`
         (the renderer expanded each to the model's number of image tokens). An engine whose model

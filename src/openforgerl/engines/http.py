@@ -32,6 +32,7 @@ from openforgerl.engines.base import (
     EngineUnavailable,
     GenerateResult,
     SamplingParams,
+    TokenSink,
     completion_room,
     policy_version_end,
 )
@@ -204,7 +205,11 @@ class HTTPEngine:
         raise NotImplementedError
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         version, reloading = self._version, self._reloading
         # Cancelling this await closes the connection; the server aborts a request whose client left.

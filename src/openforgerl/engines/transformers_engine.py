@@ -60,6 +60,7 @@ from openforgerl.engines.base import (
     FinishReason,
     GenerateResult,
     SamplingParams,
+    TokenSink,
     completion_room,
 )
 from openforgerl.engines.prefix_cache import KV, PrefixCache
@@ -322,7 +323,11 @@ class TransformersEngine:
             raise EngineUnavailable("transformers engine is not running")
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         self._check_running()
         if images and self.processor is None:

@@ -73,6 +73,7 @@ from openforgerl.engines.base import (
     EngineError,
     GenerateResult,
     SamplingParams,
+    TokenSink,
 )
 from openforgerl.engines.http import HTTPEngine, HTTPEngineOptions, error_message
 from openforgerl.images import Image
@@ -258,7 +259,11 @@ class VLLMEngine(HTTPEngine):
         return _context_error(message)
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         if images:
             # /v1/completions takes a token prompt or text, never images with it; the chat endpoint

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl.behaviour import is_error
-from openforgerl.engines.base import EngineError, GenerateResult, SamplingParams
+from openforgerl.engines.base import EngineError, GenerateResult, SamplingParams, TokenSink
 from openforgerl.images import Image
 from openforgerl.rl.prompt_tools import (
     SUBMIT_MARKER,
@@ -213,7 +213,11 @@ class OracleTeacherEngine:
         return [task.files[n].strip() for n in names] == seen[: len(names)]
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         if images:
             raise EngineError("the oracle teacher takes no images")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from openforgerl.engines.base import GenerateResult, SamplingParams
+from openforgerl.engines.base import GenerateResult, SamplingParams, TokenSink
 from openforgerl.images import Image
 from openforgerl.rl.prompt_tools import (
     SUBMIT_MARKER,
@@ -98,7 +98,11 @@ class ScriptedPolicyEngine:
         return f"Done: {self.filename} contains {self.content}."
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
         self.prompts.append(prompt)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from openforgerl.engines.base import EngineError, FinishReason, GenerateResult, SamplingParams
+from openforgerl.engines.base import EngineError, FinishReason, GenerateResult, SamplingParams, TokenSink
 from openforgerl.images import Image
 
 
@@ -132,7 +132,11 @@ class ScriptedEngine:
         return self.completion
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         """Images are accepted (a script stands in for any model) and shown to the script in its request."""
         item = self._next_item(prompt_ids, sampling, images)

@@ -28,6 +28,7 @@ from openforgerl.engines.base import (
     FinishReason,
     GenerateResult,
     SamplingParams,
+    TokenSink,
 )
 from openforgerl.images import Image
 
@@ -165,7 +166,11 @@ class VerlServerEngine:
         return params
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         if images:
             raise EngineError("the veRL engine does not pass images to veRL's servers yet")
