@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
-from openforgerl.engines.base import EngineUnavailable, GenerateResult, SamplingParams
+from openforgerl.engines.base import EngineUnavailable, GenerateResult, SamplingParams, TokenSink
 from openforgerl.gateway.server import GatewayConfig
 from openforgerl.rl.prompt_tools import text_reply
 from openforgerl.testing.gateway import RunningGateway, gateway_thread
@@ -19,7 +19,9 @@ from openforgerl.testing.gateway import RunningGateway, gateway_thread
 
 class ScriptEngine:
     """A SCRIPTED engine for deterministic tests: answers with texts a test chooses, encoded with the
-    real tokenizer and ended with the turn-end token, as a model would sample them."""
+    real tokenizer and ended with the turn-end token, as a model would sample them. A streamed call
+    gets its ids one at a time, as a model samples them; `between_tokens(n)`, when set, is awaited
+    after the n-th (a test holds the generation there to see what its client was sent)."""
 
     name = "scripted"
     max_context = 4096
@@ -34,6 +36,7 @@ class ScriptEngine:
         self.delay = 0.0
         self.cancelled = 0
         self._version = 0
+        self.between_tokens: Callable[[int], Awaitable[None]] | None = None
 
     @property
     def policy_version(self) -> int:
@@ -50,17 +53,28 @@ class ScriptEngine:
         return self._version
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Any = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Any = (),
+        on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
         if self.down:
             raise EngineUnavailable("scripted outage", retry_after=2)
         self.prompts.append(list(prompt_ids))
+        result = text_reply(
+            self.tokenizer, self.end_id, self.script(prompt_ids), sampling, self._version, -0.5
+        )
         try:
             await asyncio.sleep(self.delay)
+            if on_tokens is not None:
+                for n, token in enumerate(result.completion_ids, start=1):
+                    on_tokens((token,))
+                    await (self.between_tokens(n) if self.between_tokens else asyncio.sleep(0))
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        return text_reply(self.tokenizer, self.end_id, self.script(prompt_ids), sampling, self._version, -0.5)
+        return result
 
 
 @contextmanager

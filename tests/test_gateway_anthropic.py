@@ -118,7 +118,9 @@ def test_plain_streamed_and_raw_streamed_answers_match_the_record(gw: Any) -> No
     assert final.stop_reason == "end_turn"
 
     events = list(client.messages.create(**ask, stream=True))
-    assert [e.type for e in events] == [
+    kinds = [e.type for e in events]
+    # The text streams as it is sampled: one block, several deltas.
+    assert [k for k, _ in itertools.groupby(kinds)] == [
         "message_start",
         "content_block_start",
         "content_block_delta",
@@ -126,6 +128,8 @@ def test_plain_streamed_and_raw_streamed_answers_match_the_record(gw: Any) -> No
         "message_delta",
         "message_stop",
     ]
+    assert kinds.count("content_block_delta") > 1
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == streamed
     # On the wire: a ping after message_start, and every event's name is its data's type.
     raw = sse_events(post(ro, {**ask, "stream": True}).text)
     assert [name for name, _ in raw][:2] == ["message_start", "ping"]
@@ -270,7 +274,10 @@ def test_thinking_stream_events_and_omitted_display(gw: Any) -> None:
     blocks = [(d["content_block"]["type"]) for n, d in raw if n == "content_block_start"]
     deltas = [d["delta"]["type"] for n, d in raw if n == "content_block_delta"]
     assert blocks == ["thinking", "text"]
-    assert deltas == ["thinking_delta", "signature_delta", "text_delta"]
+    # Streamed as sampled: thinking deltas, the signature as the block closes, then text deltas.
+    assert [k for k, _ in itertools.groupby(deltas)] == ["thinking_delta", "signature_delta", "text_delta"]
+    thought = "".join(d["delta"].get("thinking", "") for n, d in raw if n == "content_block_delta")
+    assert thought == "ponder"
     # Claude Code asks for display "omitted": the block and its signature come, the text does not.
     reply = client_for(ro).messages.create(**ask, thinking={"type": "adaptive", "display": "omitted"})
     assert reply.content[0].type == "thinking" and reply.content[0].thinking == ""

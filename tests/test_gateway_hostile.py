@@ -123,7 +123,7 @@ def test_a_failure_after_the_stream_began_ends_it_with_an_error_event(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug in the translator")
 
-    monkeypatch.setattr(openai_chat, "stream_chunks", broken)
+    monkeypatch.setattr(openai_chat.ChunkWriter, "end", broken)
     ro = new_rollout(gw)
     r = post(ro, "/v1/chat/completions", {"model": "m", "messages": USER, "stream": True})
     assert r.status_code == 200  # the stream had begun

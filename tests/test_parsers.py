@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from openforgerl.conversation import ToolCall
-from openforgerl.engines.parsers import parse_completion
+from openforgerl.engines.parsers import parse_completion, prompt_opens_reasoning
 
 TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
@@ -34,8 +34,15 @@ def test_unclosed_think_is_all_reasoning() -> None:
 
 
 def test_template_opened_think() -> None:
-    p = parse_completion("The user wants a file.\n</think>\n\nSure.")
+    """A template that opens `<think>` in the prompt leaves the completion inside the reasoning; the
+    gateway reads that from the prompt. A `</think>` nothing opened is content (a stream could not
+    take back the text it already showed as the answer)."""
+    text = "The user wants a file.\n</think>\n\nSure."
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+    p = parse_completion(text, in_reasoning=True)
     assert (p.reasoning, p.content) == ("The user wants a file.", "Sure.")
+    assert (parse_completion(text).reasoning, parse_completion(text).content) == ("", text)
     cut = parse_completion("still reasoning", in_reasoning=True)
     assert (cut.reasoning, cut.content) == ("still reasoning", "")
     assert parse_completion("plain answer", in_reasoning=False).content == "plain answer"

@@ -96,6 +96,8 @@ class _Request:
     vision: dict[str, torch.Tensor] | None = None
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # The caller's token sink (a streamed answer): each sampled id, on the caller's loop.
+    on_tokens: TokenSink | None = None
     done: bool = False
     # Set from the event loop when the caller is cancelled; read by the worker at the next step.
     cancelled: bool = False
@@ -134,6 +136,13 @@ def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value
     try:
         loop.call_soon_threadsafe(resolve)
     except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def _stream(loop: asyncio.AbstractEventLoop, sink: TokenSink, token: int) -> None:
+    try:
+        loop.call_soon_threadsafe(sink, (token,))
+    except RuntimeError:  # the caller's loop is closed
         pass
 
 
@@ -352,6 +361,7 @@ class TransformersEngine:
             future=loop.create_future(),
             generator=generator,
             vision=vision,
+            on_tokens=on_tokens,
         )
         with self._cond:
             if self._closing:
@@ -661,6 +671,8 @@ class TransformersEngine:
         for i, (row, tok, lp) in enumerate(zip(batch.rows, ids, logprobs, strict=True)):
             row.completion_ids.append(tok)
             row.logprobs.append(lp)
+            if row.on_tokens is not None:  # queued on the loop ahead of the result, so it comes first
+                _stream(row.loop, row.on_tokens, tok)
             if (end := self._end(row, tok)) is not None:
                 if self._caches_prefixes(row):  # before the caller hears: its next turn may follow at once
                     self._keep_prefix(batch, i)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import inspect
 import secrets
 import time
 from collections.abc import Mapping
@@ -25,8 +26,9 @@ from openforgerl.engines.base import (
     GenerateResult,
     SamplingParams,
 )
-from openforgerl.engines.parsers import parse_completion
+from openforgerl.engines.parsers import parse_completion, prompt_opens_reasoning
 from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request, context_length_exceeded
+from openforgerl.gateway.streaming import AnswerStream, Emit, message_deltas
 from openforgerl.gateway.upstream import TextMemory, Upstream
 from openforgerl.gateway.workers import Workers
 from openforgerl.images import Image
@@ -73,6 +75,15 @@ def message_from_record(record: Mapping[str, Any], images: Mapping[str, Image]) 
         name=record.get("name") or "",
         images=[images[d] for d in record.get("images") or []],
     )
+
+
+def _takes(function: Any, name: str) -> bool:
+    """Whether `function` takes the keyword argument `name`."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def hash_key(api_key: str) -> str:
@@ -142,6 +153,8 @@ class GatewayCore:
         workers: Workers | None = None,
     ) -> None:
         self.engine = engine
+        # Engines written before streaming take no token sink (their answers stream whole at the end).
+        self._engine_streams = _takes(engine.generate, "on_tokens")
         # Parsing, rendering and tokenising, off the event loop.
         self.workers = workers or Workers()
         self.upstreams = dict(upstreams or {})
@@ -166,6 +179,7 @@ class GatewayCore:
             "errors": 0,
             "rejected": 0,
             "upstream_calls": 0,
+            "stream_mismatches": 0,
         }
 
     # -- rollouts -----------------------------------------------------------------------
@@ -409,12 +423,15 @@ class GatewayCore:
     async def complete(self, session: Session, conv: Conversation) -> CallOutcome:
         return await self.run(await self.prepare(session, conv))
 
-    async def run(self, call: PreparedCall) -> CallOutcome:
-        """Generate, parse, record durably, and only then return (the harness's acknowledgement)."""
+    async def run(self, call: PreparedCall, on_delta: Emit | None = None) -> CallOutcome:
+        """Generate, parse, record durably, and only then return (the harness's acknowledgement).
+
+        `on_delta` (a streamed answer) gets the answer's pieces as the engine samples them, and all
+        of it before this returns: the pieces reassemble into the outcome's message."""
         try:
             if call.session.upstream:
-                return await self._run_upstream(call)
-            return await self._run(call)
+                return await self._run_upstream(call, on_delta)
+            return await self._run(call, on_delta)
         finally:
             self.release(call)
 
@@ -458,9 +475,17 @@ class GatewayCore:
             image_digests=[im.digest for im in call.images],
         )
 
-    async def _run(self, call: PreparedCall) -> CallOutcome:
+    async def _run(self, call: PreparedCall, on_delta: Emit | None) -> CallOutcome:
         plan = call.plan
         assert call.params is not None
+        # A template that opens `<think>` itself leaves the completion inside the reasoning.
+        in_reasoning = prompt_opens_reasoning(self.renderer.decode(plan.prompt_ids[-8:]))
+        stream = None
+        if on_delta is not None:
+            stop_ids = self.renderer.stop_token_ids
+            stream = AnswerStream(
+                self.renderer.decode, stop_ids, call.params.stop, on_delta, in_reasoning=in_reasoning
+            )
 
         def record(
             status: str, error: str, result: GenerateResult | None, message: Message | None
@@ -474,11 +499,12 @@ class GatewayCore:
                 row.stop_reason = None if result.stop_reason is None else str(result.stop_reason)
             return row
 
+        # Engines written before images (or streaming) take two arguments: only what is used is passed.
+        extra: dict[str, Any] = {"images": call.images} if call.images else {}
+        if stream is not None and self._engine_streams:
+            extra["on_tokens"] = stream.tokens
         try:
-            if call.images:
-                result = await self.engine.generate(plan.prompt_ids, call.params, images=call.images)
-            else:  # engines written before images take two arguments
-                result = await self.engine.generate(plan.prompt_ids, call.params)
+            result = await self.engine.generate(plan.prompt_ids, call.params, **extra)
         except asyncio.CancelledError:
             # The client went away and the engine aborted: keep a record that says so.
             self.counters["aborted"] += 1
@@ -505,7 +531,10 @@ class GatewayCore:
             await self._record_failure(call, record("error", f"engine error: {exc}", None, None))
             raise GatewayError(500, f"The inference engine failed: {exc}", kind="internal") from exc
 
-        message, finish, errors, turn_end = self._to_message(result, call.params.stop)
+        message, finish, errors, turn_end = self._to_message(result, call.params.stop, in_reasoning)
+        if stream is not None:
+            stream.finish(message)
+            self.counters["stream_mismatches"] += stream.mismatches
         row = record("ok", "", result, message)
         row.parse_errors = errors
         call_id = await self._record_ok(call, row, result.completion_ids, message, turn_end)
@@ -524,7 +553,7 @@ class GatewayCore:
             stop_reason=result.stop_reason,
         )
 
-    async def _run_upstream(self, call: PreparedCall) -> CallOutcome:
+    async def _run_upstream(self, call: PreparedCall, on_delta: Emit | None) -> CallOutcome:
         """The call sent to the rollout's upstream; recorded at text level (no ids, no logprobs)."""
         session = call.session
         upstream = self._upstream(session)
@@ -548,6 +577,9 @@ class GatewayCore:
             row = record("error", f"upstream {err.status}: {err.message}", None, upstream.spec.model)
             await self._record_failure(call, row)
             raise
+        if on_delta is not None:  # an upstream answers whole
+            for delta in message_deltas(reply.message):
+                on_delta(delta)
         row = record("ok", "", reply.message, reply.model)
         row.finish_reason, row.stop_reason = reply.finish_reason, reply.stop_reason
         row.sampling_used = {
@@ -618,7 +650,7 @@ class GatewayCore:
         task.add_done_callback(self._background.discard)
 
     def _to_message(
-        self, result: GenerateResult, stop: tuple[str, ...]
+        self, result: GenerateResult, stop: tuple[str, ...], in_reasoning: bool = False
     ) -> tuple[Message, str, list[str], bool]:
         """Sampled ids -> the assistant message a harness sees, the finish reason and parse errors."""
         ids = result.completion_ids
@@ -636,7 +668,7 @@ class GatewayCore:
             cut = text.rfind(result.stop_reason)
             if cut >= 0:
                 text = text[:cut]
-        parsed = parse_completion(text)
+        parsed = parse_completion(text, in_reasoning=in_reasoning)
         message = Message(
             role="assistant",
             content=parsed.content,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
@@ -130,18 +130,25 @@ async def race_disconnect(receive: Receive, work: Awaitable[CallOutcome]) -> Cal
     return task.result()
 
 
+SendEvents = Callable[[bytes], None]  # a streamed call's events, as they come (b"" is ignored)
+
+
 class SSEResponse(Response):
-    """Streams one finished call as SSE: headers and the first event go out at once, keep-alive
-    comments while the engine works, a disconnect aborts the generation."""
+    """Streams one call as SSE: headers and the first events go out at once, then the events `work`
+    sends as the answer is sampled (keep-alive comments while there are none), then `end`'s events
+    for the finished call; a disconnect aborts the generation.
+
+    `work(send)` runs the call; `send` may be called any number of times before it returns.
+    """
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
         first: bytes,
-        work: Callable[[], Awaitable[CallOutcome]],
+        work: Callable[[SendEvents], Awaitable[CallOutcome]],
         release: Callable[[], None],
-        events: Callable[[CallOutcome], Iterable[bytes]],
+        end: Callable[[CallOutcome], bytes],
         on_error: Callable[[GatewayError], bytes],
         keepalive: bytes = b": keep-alive\n\n",
     ) -> None:
@@ -149,7 +156,7 @@ class SSEResponse(Response):
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.first, self.work, self.events, self.on_error = first, work, events, on_error
+        self.first, self.work, self.end, self.on_error = first, work, end, on_error
         self.release = release
         # Some clients parse every non-data line as JSON (google-genai): they get a blank line.
         self.keepalive = keepalive
@@ -163,54 +170,75 @@ class SSEResponse(Response):
         finally:
             self.release()
 
+    def _closing(self, outcome: CallOutcome | BaseException) -> bytes:
+        """The events after the answer's deltas: the end of a finished call, or an error event
+        (never a cut-off stream, also for a bug after the 200 went out)."""
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return self.end(outcome)
+        except GatewayError as err:
+            return self.on_error(err)
+        except Exception as exc:
+            return self.on_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))
+
     async def _whole(self, receive: Receive, send: Send) -> None:
         """HTTP/1.0 has no chunked encoding: the same events, sent at once with their length."""
+        events: list[bytes] = [self.first]
         try:
-            outcome = await race_disconnect(receive, self.work())
+            outcome = await race_disconnect(receive, self.work(events.append))
             if outcome is None:
                 return
-            body = self.first + self._events(outcome)
-        except GatewayError as err:
-            body = self.first + self.on_error(err)
+            events.append(self._closing(outcome))
+        except Exception as exc:
+            events.append(self._closing(exc))
+        body = b"".join(events)
         self.headers["content-length"] = str(len(body))
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    def _events(self, outcome: CallOutcome) -> bytes:
-        try:
-            return b"".join(self.events(outcome))
-        except GatewayError as err:
-            return self.on_error(err)
-        except Exception as exc:  # a bug after the 200 went out: an error event, never a cut-off stream
-            return self.on_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))
-
     async def _stream(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self.first, "more_body": True})
-        task = asyncio.ensure_future(self.work())
+        pending: list[bytes] = []
+        ready = asyncio.Event()
+
+        def queue(events: bytes) -> None:
+            if events:
+                pending.append(events)
+                ready.set()
+
+        task = asyncio.ensure_future(self.work(queue))
         watcher = asyncio.ensure_future(until_disconnect(receive))
+        waiter: asyncio.Task[Any] | None = None
         try:
             while not task.done():
+                waiter = asyncio.ensure_future(ready.wait())
                 done, _ = await asyncio.wait(
-                    {task, watcher}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
+                    {task, watcher, waiter}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
                 )
+                waiter.cancel()
                 if watcher in done:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, GatewayError):
                         await task
                     return
-                if not done:
+                if pending:  # everything sampled since the last send, in one write
+                    ready.clear()
+                    body = b"".join(pending)
+                    pending.clear()
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                elif not done:
                     await send({"type": "http.response.body", "body": self.keepalive, "more_body": True})
         finally:
             watcher.cancel()
+            if waiter is not None:
+                waiter.cancel()
             if not task.done():
                 task.cancel()
         try:
-            outcome = task.result()
-        except GatewayError as err:
-            body = self.on_error(err)
-        except Exception as exc:  # as in _events: the stream ends with an error event
-            body = self.on_error(GatewayError(500, f"Internal gateway error: {exc!r}", kind="internal"))
-        else:
-            body = self._events(outcome)
+            closing = self._closing(task.result())
+        except Exception as exc:
+            closing = self._closing(exc)
+        body = b"".join([*pending, closing])
         await send({"type": "http.response.body", "body": body, "more_body": False})

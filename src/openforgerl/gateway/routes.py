@@ -5,7 +5,8 @@ Starlette routes under both prefixes ('' and '/r/{rollout_id}') and answers them
 authenticate the key, read the body (size and time bounded, JSON only), parse it on a worker thread
 (JSON, validation and image decoding off the event loop; images for a model that takes none are
 refused before they are decoded), prepare the call, then either stream it (SSE: the first events at
-once, keep-alives while generating, an error event if it fails after the stream began) or run it to
+once, the answer's deltas as they are sampled, keep-alives while the engine is silent, the closing
+events once the call is recorded, an error event if it fails after the stream began) or run it to
 its record and answer one body; a client that goes away aborts the generation (499); every error is
 answered in the dialect's own shape. `Routes` is also the `Host` the dialects see.
 """
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from openforgerl.engines.parsers import Delta
 from openforgerl.gateway.core import CallOutcome, GatewayCore, PreparedCall, Session
 from openforgerl.gateway.errors import GatewayError, images_refused, unauthorized
 from openforgerl.gateway.http import JSONResponse, SSEResponse, api_key_of, race_disconnect, read_body
@@ -110,8 +112,8 @@ class Routes:
         exchange.prepared(prepared)
         return prepared
 
-    async def run(self, call: PreparedCall) -> CallOutcome:
-        return await self.core.run(call)
+    async def run(self, call: PreparedCall, on_delta: Callable[[Delta], None] | None = None) -> CallOutcome:
+        return await self.core.run(call, on_delta)
 
     def release(self, call: PreparedCall) -> None:
         self.core.release(call)
@@ -167,9 +169,9 @@ class Routes:
                 raise
             sse = SSEResponse(
                 first,
-                lambda: self.core.run(prepared),
+                lambda send: self.core.run(prepared, lambda d: send(exchange.stream_delta(d))),
                 lambda: self.core.release(prepared),
-                exchange.stream_events,
+                exchange.stream_end,
                 exchange.stream_error,
                 exchange.keepalive,
             )

@@ -7,8 +7,9 @@ client that went away, and errors. A dialect sees the gateway only as a `Host`, 
 imports the app.
 
 - `CallRoute`: one model call. `parse` turns the body into an `Exchange`, which holds the
-  `Conversation` for the core and renders the outcome (a JSON body, or SSE: the first events at
-  once, the rest when the call has finished, an error event when it failed after the stream began).
+  `Conversation` for the core and renders the outcome: a JSON body, or SSE: the first events at
+  once, then the answer's deltas as the engine samples them (text, reasoning, tool calls), the
+  closing events once the call is recorded, or an error event when it failed after the stream began.
 - `CountRoute`: the prompt's length in tokens, without a call.
 - `InfoRoute`: an answer that makes no call (model lists, probes).
 - `SocketRoute`: a WebSocket, authenticated on its handshake.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -27,6 +28,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from openforgerl.conversation import Conversation
+from openforgerl.engines.parsers import Delta
 from openforgerl.gateway.core import CallOutcome, PreparedCall, Session
 from openforgerl.gateway.errors import GatewayError
 from openforgerl.gateway.http import JSONResponse
@@ -79,8 +81,12 @@ class Exchange(ABC):
         """The JSON answer for a finished call."""
 
     @abstractmethod
-    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
-        """The SSE events after `stream_start`, for a finished call."""
+    def stream_delta(self, delta: Delta) -> bytes:
+        """The SSE events for a piece of the answer, as it is sampled (b"" to send it later)."""
+
+    @abstractmethod
+    def stream_end(self, out: CallOutcome) -> bytes:
+        """The SSE events that close the stream of a finished, recorded call (its deltas are sent)."""
 
     @abstractmethod
     def stream_error(self, err: GatewayError) -> bytes:
@@ -160,8 +166,9 @@ class Host(Protocol):
         """The core's call for the exchange (GatewayError before anything was sent)."""
         ...
 
-    async def run(self, call: PreparedCall) -> CallOutcome:
-        """Generate and record the call (cancel it to abort the generation)."""
+    async def run(self, call: PreparedCall, on_delta: Callable[[Delta], None] | None = None) -> CallOutcome:
+        """Generate and record the call (cancel it to abort the generation); `on_delta` gets the
+        answer's pieces as they are sampled, all of them before this returns."""
         ...
 
     def release(self, call: PreparedCall) -> None:

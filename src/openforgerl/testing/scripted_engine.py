@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from openforgerl.engines.base import EngineError, FinishReason, GenerateResult, SamplingParams, TokenSink
@@ -61,7 +61,9 @@ class ScriptedEngine:
         eos_token_id: an id that ends generation (kept as the last id), like a model's EOS.
         decode: ids -> text, needed only to honour stop strings.
         latency_s: seconds each call waits before answering (for cancellation and timeout tests).
-        token_latency_s: extra seconds per returned id.
+        token_latency_s: extra seconds per returned id (a streamed call gets each id after its wait).
+        between_tokens: awaited after each id a streamed call was given, with the count given so far
+            (tests hold a generation there, to see what a client was sent before it ended).
         policy_version: the starting version; `load_weights` adds one.
     """
 
@@ -79,6 +81,7 @@ class ScriptedEngine:
         decode: Callable[[Sequence[int]], str] | None = None,
         latency_s: float = 0.0,
         token_latency_s: float = 0.0,
+        between_tokens: Callable[[int], Awaitable[None]] | None = None,
         policy_version: int = 0,
     ) -> None:
         self._fn: ScriptFn | None = None
@@ -93,6 +96,7 @@ class ScriptedEngine:
         self.decode = decode
         self.latency_s = latency_s
         self.token_latency_s = token_latency_s
+        self.between_tokens = between_tokens
         self._version = policy_version
         self.weights_path: str | None = None
         self.started = False
@@ -145,14 +149,24 @@ class ScriptedEngine:
             raise item
         scripted = item if isinstance(item, Scripted) else Scripted(item)
         result = self._apply(scripted, sampling)
-        delay = self.latency_s + self.token_latency_s * len(result.completion_ids)
-        if delay > 0:
-            try:
-                await asyncio.sleep(delay)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-        return result
+        try:
+            if on_tokens is None:
+                delay = self.latency_s + self.token_latency_s * len(result.completion_ids)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                return result
+            if self.latency_s > 0:
+                await asyncio.sleep(self.latency_s)
+            for n, token in enumerate(result.completion_ids, start=1):
+                if self.token_latency_s > 0:
+                    await asyncio.sleep(self.token_latency_s)
+                on_tokens((token,))
+                if self.between_tokens is not None:
+                    await self.between_tokens(n)
+            return result
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
 
     def _apply(self, s: Scripted, sampling: SamplingParams) -> GenerateResult:
         ids = list(s.ids)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.engines.parsers import Delta
 from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome, PreparedCall
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, validated
@@ -371,6 +372,10 @@ class MessagesExchange(serving.Exchange):
         self.id = f"msg_{secrets.token_hex(12)}"
         # Claude Code asks for `display: "omitted"`: the block comes, its text does not.
         self.hide_thinking = req.thinking is not None and req.thinking.display == "omitted"
+        # The stream's state: the open block and its index, the tool calls to send at the end.
+        self.block: str | None = None
+        self.index = -1
+        self.calls: list[ToolCall] = []
 
     def content(self, out: CallOutcome) -> list[dict[str, Any]]:
         m = out.message
@@ -380,24 +385,29 @@ class MessagesExchange(serving.Exchange):
                 {
                     "type": "thinking",
                     "thinking": "" if self.hide_thinking else m.reasoning,
-                    # Opaque to clients, who send it back unchanged; nothing here checks it.
-                    "signature": f"openforgerl-{out.call_id}",
+                    "signature": self.signature,
                 }
             )
         if m.content:
             blocks.append({"type": "text", "text": m.content})
-        for c in m.tool_calls:
-            blocks.append(
-                {
-                    "type": "tool_use",
-                    "id": c.id if c.id.startswith("toolu_") else "toolu_" + c.id.removeprefix("call_"),
-                    "name": c.name,
-                    # The completion parser only yields JSON objects; only an upstream's answer can
-                    # hold arguments that are not one, and `input` must be an object.
-                    "input": c.arguments if isinstance(c.arguments, dict) else {},
-                }
-            )
+        blocks += [self.tool_use(c) for c in m.tool_calls]
         return blocks
+
+    @property
+    def signature(self) -> str:
+        # Opaque to clients, who send it back unchanged; nothing here checks it.
+        return f"openforgerl-{self.id}"
+
+    @staticmethod
+    def tool_use(call: ToolCall) -> dict[str, Any]:
+        return {
+            "type": "tool_use",
+            "id": call.id if call.id.startswith("toolu_") else "toolu_" + call.id.removeprefix("call_"),
+            "name": call.name,
+            # The completion parser only yields JSON objects; only an upstream's answer can hold
+            # arguments that are not one, and `input` must be an object.
+            "input": call.arguments if isinstance(call.arguments, dict) else {},
+        }
 
     def stop(self, out: CallOutcome) -> tuple[str, str | None]:
         """Anthropic's stop_reason and stop_sequence."""
@@ -440,41 +450,87 @@ class MessagesExchange(serving.Exchange):
             "ping", {"type": "ping"}
         )
 
-    def stream_events(self, out: CallOutcome) -> Iterator[bytes]:
-        """Every content block as start / delta(s) / stop, then message_delta and message_stop."""
-        for index, block in enumerate(self.content(out)):
-            start: dict[str, Any]
-            deltas: list[dict[str, Any]]
-            if block["type"] == "thinking":
-                start = {"type": "thinking", "thinking": "", "signature": ""}
-                deltas = (
-                    [{"type": "thinking_delta", "thinking": block["thinking"]}] if block["thinking"] else []
-                )
-                deltas.append({"type": "signature_delta", "signature": block["signature"]})
-            elif block["type"] == "text":
-                start = {"type": "text", "text": ""}
-                deltas = [{"type": "text_delta", "text": block["text"]}]
-            else:
-                start = {**block, "input": {}}
-                deltas = [{"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}]
-            yield _event(
-                "content_block_start", {"type": "content_block_start", "index": index, "content_block": start}
-            )
-            for delta in deltas:
-                yield _event(
-                    "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-                )
-            yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-        stop_reason, stop_sequence = self.stop(out)
-        yield _event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": _usage(out.prompt_tokens, out.cached_tokens, out.completion_tokens),
-            },
+    # -- the stream: thinking and text blocks as they are sampled; tool_use blocks at the end, since
+    # text that follows a call belongs to the one text block that precedes the calls.
+    def stream_delta(self, delta: Delta) -> bytes:
+        events: list[bytes] = []
+        if delta.reasoning:
+            events += self._open("thinking")
+            if not self.hide_thinking:
+                events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            events += self._open("text")
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        if delta.tool_call is not None:
+            self.calls.append(delta.tool_call)
+        return b"".join(events)
+
+    def _open(self, kind: str) -> list[bytes]:
+        if self.block == kind:
+            return []
+        events = self._close()
+        self.block, self.index = kind, self.index + 1
+        start = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
         )
-        yield _event("message_stop", {"type": "message_stop"})
+        events.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self.index, "content_block": start},
+            )
+        )
+        return events
+
+    def _close(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        events = []
+        if self.block == "thinking":
+            events.append(self._delta({"type": "signature_delta", "signature": self.signature}))
+        events.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.block = None
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+        )
+
+    def stream_end(self, out: CallOutcome) -> bytes:
+        """The open block's end, each tool_use block, then message_delta and message_stop."""
+        events = self._close()
+        for call in self.calls:
+            block = self.tool_use(call)
+            self.index += 1
+            events += [
+                _event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": self.index,
+                        "content_block": {**block, "input": {}},
+                    },
+                ),
+                self._delta(
+                    {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
+                ),
+                _event("content_block_stop", {"type": "content_block_stop", "index": self.index}),
+            ]
+        stop_reason, stop_sequence = self.stop(out)
+        events.append(
+            _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": _usage(out.prompt_tokens, out.cached_tokens, out.completion_tokens),
+                },
+            )
+        )
+        events.append(_event("message_stop", {"type": "message_stop"}))
+        return b"".join(events)
 
     def stream_error(self, err: GatewayError) -> bytes:
         return stream_error(err)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
@@ -38,10 +38,12 @@ from starlette.requests import Request
 
 from openforgerl import jsonutil
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall
+from openforgerl.engines.parsers import Delta
 from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
+from openforgerl.gateway.streaming import message_deltas
 from openforgerl.images import Image, digest_of_file_id, image_from_base64, image_from_file
 
 NAME = "gemini"
@@ -382,26 +384,6 @@ def _response(parts: list[dict[str, Any]], model: str, response_id: str, final: 
     return orjson.dumps(body)
 
 
-def response_body(out: CallOutcome, parsed: Parsed) -> bytes:
-    parts = _parts(out.message, parsed.include_thoughts)
-    return _response(parts, parsed.conv.model, _response_id(out), out)
-
-
-def stream_chunks(out: CallOutcome, parsed: Parsed) -> list[bytes]:
-    """The streamed responses: one part each, as the API streams them; the last one also carries
-    finishReason and usage. Clients concatenate the parts."""
-    pieces = [[p] for p in _parts(out.message, parsed.include_thoughts)] or [[]]
-    rid = _response_id(out)
-    return [
-        _response(piece, parsed.conv.model, rid, out if i == len(pieces) - 1 else None)
-        for i, piece in enumerate(pieces)
-    ]
-
-
-def _response_id(out: CallOutcome) -> str:
-    return f"ofr{out.call_id}-{secrets.token_hex(6)}"
-
-
 _STATUS = {
     "invalid_request": "INVALID_ARGUMENT",
     "context_length": "INVALID_ARGUMENT",
@@ -464,6 +446,7 @@ class GeminiExchange(serving.Exchange):
 
     def __init__(self, parsed: Parsed, sse: bool) -> None:
         self.parsed, self.conv, self.sse = parsed, parsed.conv, sse
+        self.id = f"ofr-{secrets.token_hex(12)}"
 
     @property
     def streams(self) -> bool:
@@ -474,13 +457,32 @@ class GeminiExchange(serving.Exchange):
         declined = self.parsed.declined_tools
         return {DECLINED_TOOLS_HEADER: ", ".join(quote(k, safe="") for k in declined)} if declined else {}
 
-    def body(self, out: CallOutcome) -> bytes:
-        if self.conv.stream:
-            return b"[" + b",\r\n".join(stream_chunks(out, self.parsed)) + b"]"
-        return response_body(out, self.parsed)
+    def _chunk(self, parts: list[dict[str, Any]], final: CallOutcome | None = None) -> bytes:
+        return _response(parts, self.conv.model, self.id, final)
 
-    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
-        return [b"data: " + c + b"\r\n\r\n" for c in stream_chunks(out, self.parsed)]
+    def _parts(self, delta: Delta) -> list[dict[str, Any]]:
+        return _parts(
+            Message(
+                "assistant", delta.content, delta.reasoning, [delta.tool_call] if delta.tool_call else []
+            ),
+            self.parsed.include_thoughts,
+        )
+
+    def body(self, out: CallOutcome) -> bytes:
+        if not self.conv.stream:
+            return self._chunk(_parts(out.message, self.parsed.include_thoughts), out)
+        # Without alt=sse the API streams one JSON array, sent whole here: the chunks a stream has.
+        chunks = [self._chunk(p) for d in message_deltas(out.message) if (p := self._parts(d))]
+        return b"[" + b",\r\n".join([*chunks, self._chunk([], out)]) + b"]"
+
+    def stream_delta(self, delta: Delta) -> bytes:
+        """One part a chunk, as the API streams them (clients concatenate the parts)."""
+        parts = self._parts(delta)
+        return b"data: " + self._chunk(parts) + b"\r\n\r\n" if parts else b""
+
+    def stream_end(self, out: CallOutcome) -> bytes:
+        """finishReason and usage, on a chunk of their own (clients read a finish reason from any)."""
+        return b"data: " + self._chunk([], out) + b"\r\n\r\n"
 
     def stream_error(self, err: GatewayError) -> bytes:
         return stream_error(err)

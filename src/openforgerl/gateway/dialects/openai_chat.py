@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.requests import Request
 
 from openforgerl.conversation import Conversation, Message, SamplingRequest, Tool, ToolCall, parse_arguments
+from openforgerl.engines.parsers import Delta
 from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome, PreparedCall
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS, Seed, validated
@@ -279,45 +280,61 @@ def response_body(out: CallOutcome, req: ChatCompletionRequest, decode: Decode) 
     return dumps(body)
 
 
-def stream_chunks(
-    out: CallOutcome, req: ChatCompletionRequest, chunk_id: str, decode: Decode
-) -> Iterator[bytes]:
-    """The SSE events after the role chunk, for a finished call."""
-    created = int(time.time())
+class ChunkWriter:
+    """A chat completion's chunks as its answer streams: one per delta, then the finish chunk, the
+    usage chunk when asked for, and [DONE]. Logprobs (and the `return_token_ids` extension) come
+    with the finish chunk, where all of them are known."""
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+    def __init__(self, req: ChatCompletionRequest, chunk_id: str, decode: Decode, version: int) -> None:
+        self.req, self.chunk_id, self.decode = req, chunk_id, decode
+        self.created = int(time.time())
+        # The version that began the answer (the final chunk names the one the record holds).
+        self.fingerprint = f"policy-v{version}" if version >= 0 else "upstream"
+        self.calls = 0
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
         body = {
-            "id": chunk_id,
+            "id": self.chunk_id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": _fingerprint(out),
-            "choices": [
-                {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **(extra or {})}
-            ],
+            "created": self.created,
+            "model": self.req.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [choice],
         }
         return b"data: " + dumps(body) + b"\n\n"
 
-    if out.message.reasoning:
-        yield chunk({"reasoning_content": out.message.reasoning})
-    if out.message.content:
-        extra = {"logprobs": _logprobs(out, decode)} if req.logprobs else {}
-        yield chunk({"content": out.message.content}, None, extra)
-    for i, call in enumerate(_tool_calls(out.message)):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    final_extra: dict[str, Any] = {"token_ids": out.completion_ids} if req.return_token_ids else {}
-    yield chunk({}, out.finish_reason, final_extra)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        usage = {
-            "id": chunk_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-            "choices": [],
-            "usage": _usage(out),
-        }
-        yield b"data: " + orjson.dumps(usage) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+    def delta(self, d: Delta) -> bytes:
+        if d.reasoning:
+            return self.chunk({"reasoning_content": d.reasoning})
+        if d.content:
+            return self.chunk({"content": d.content})
+        if d.tool_call is not None:
+            self.calls += 1
+            (call,) = _tool_calls(Message("assistant", tool_calls=[d.tool_call]))
+            return self.chunk({"tool_calls": [{"index": self.calls - 1, **call}]})
+        return b""
+
+    def end(self, out: CallOutcome) -> bytes:
+        self.fingerprint = _fingerprint(out)
+        extra: dict[str, Any] = {}
+        if self.req.logprobs:
+            extra["logprobs"] = _logprobs(out, self.decode)
+        if self.req.return_token_ids:
+            extra["token_ids"] = out.completion_ids
+        events = [self.chunk({}, out.finish_reason, **extra)]
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            usage = {
+                "id": self.chunk_id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.req.model,
+                "choices": [],
+                "usage": _usage(out),
+            }
+            events.append(b"data: " + orjson.dumps(usage) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return b"".join(events)
 
 
 def role_chunk(chunk_id: str, model: str) -> bytes:
@@ -358,18 +375,23 @@ def stream_error(err: GatewayError) -> bytes:
 class ChatExchange(serving.Exchange):
     """One chat completion request: its answer as a body or as chunks."""
 
-    def __init__(self, conv: Conversation, req: ChatCompletionRequest, decode: Decode) -> None:
-        self.conv, self.req, self.decode = conv, req, decode
+    def __init__(self, conv: Conversation, req: ChatCompletionRequest, host: serving.Host) -> None:
+        self.conv, self.req, self.host, self.decode = conv, req, host, host.decode
         self.chunk_id = f"chatcmpl-{secrets.token_hex(12)}"
 
     def body(self, out: CallOutcome) -> bytes:
         return response_body(out, self.req, self.decode)
 
     def stream_start(self, call: PreparedCall) -> bytes:
+        version = -1 if call.session.upstream else self.host.policy_version
+        self.writer = ChunkWriter(self.req, self.chunk_id, self.decode, version)
         return role_chunk(self.chunk_id, self.req.model)
 
-    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
-        return stream_chunks(out, self.req, self.chunk_id, self.decode)
+    def stream_delta(self, delta: Delta) -> bytes:
+        return self.writer.delta(delta)
+
+    def stream_end(self, out: CallOutcome) -> bytes:
+        return self.writer.end(out)
 
     def stream_error(self, err: GatewayError) -> bytes:
         return stream_error(err)
@@ -383,7 +405,7 @@ class OpenAIChat(serving.JSONErrors):
 
     def routes(self, host: serving.Host) -> list[serving.RouteSpec]:
         def parse(body: bytes, files: Mapping[str, Image], _: serving.Incoming) -> ChatExchange:
-            return ChatExchange(*parse_request(body, files), host.decode)
+            return ChatExchange(*parse_request(body, files), host)
 
         async def models(request: Request) -> dict[str, Any]:
             await host.session(request)

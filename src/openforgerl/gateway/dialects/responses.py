@@ -67,12 +67,14 @@ from openforgerl.conversation import (
     ToolCall,
     parse_arguments,
 )
+from openforgerl.engines.parsers import Delta
 from openforgerl.gateway import serving
 from openforgerl.gateway.core import CallOutcome, PreparedCall, Session, message_from_record
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS
 from openforgerl.gateway.dialects.openai_chat import error_body
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
 from openforgerl.gateway.http import KEEPALIVE_S, JSONResponse
+from openforgerl.gateway.streaming import message_deltas
 from openforgerl.images import Image, image_from_file, image_from_url
 from openforgerl.store import Store
 
@@ -559,6 +561,13 @@ class Reply(serving.Exchange):
         self.stream_id = stream_id  # WebSocket lane: echoed on each event when the client named one
         self.seq = 0
         self._items: list[dict[str, Any]] | None = None
+        self._ids: dict[str, str] = {}  # the reasoning and message items' ids, drawn once
+        # The stream's state: the item being streamed (its kind, index and text so far), the tool
+        # calls (their items follow the message's: text after a call belongs to that message).
+        self.open: tuple[str, int] | None = None
+        self.index = -1
+        self.streamed = {"reasoning": "", "message": ""}
+        self.calls: list[ToolCall] = []
 
     def remember(self, out: CallOutcome | None) -> None:
         """Keep this response's context: the conversation with its output (None: prewarmed)."""
@@ -587,9 +596,12 @@ class Reply(serving.Exchange):
     def stream_start(self, call: PreparedCall) -> bytes:
         return sse(self.opening())
 
-    def stream_events(self, out: CallOutcome) -> Iterable[bytes]:
+    def stream_delta(self, delta: Delta) -> bytes:
+        return sse(self.delta_events(delta))
+
+    def stream_end(self, out: CallOutcome) -> bytes:
         self.remember(out)
-        return [sse(self.finished(out))]
+        return sse(self.end_events(out))
 
     def stream_error(self, err: GatewayError) -> bytes:
         return sse(self.failed(err))
@@ -669,27 +681,36 @@ class Reply(serving.Exchange):
             self._items = list(self._make_items(out))
         return self._items
 
+    def _id(self, prefix: str) -> str:
+        return self._ids.setdefault(prefix, _new_id(prefix))
+
+    def _reasoning_item(self, text: str) -> dict[str, Any]:
+        return {
+            "id": self._id("rs"),
+            "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": text}],
+            "encrypted_content": None,
+            "status": "completed",
+        }
+
+    def _message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {
+            "id": self._id("msg"),
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        }
+
     def _make_items(self, out: CallOutcome) -> Iterator[dict[str, Any]]:
         message = out.message
         if message.reasoning:
-            yield {
-                "id": _new_id("rs"),
-                "type": "reasoning",
-                "summary": [{"type": "summary_text", "text": message.reasoning}],
-                "encrypted_content": None,
-                "status": "completed",
-            }
+            yield self._reasoning_item(message.reasoning)
         # An answer without calls always has a message item, so its echo keeps the assistant turn.
         if message.content or not message.tool_calls:
-            yield {
-                "id": _new_id("msg"),
-                "type": "message",
-                "role": "assistant",
-                "status": "incomplete" if out.finish_reason == "length" else "completed",
-                "content": [
-                    {"type": "output_text", "text": message.content, "annotations": [], "logprobs": []}
-                ],
-            }
+            yield self._message_item(
+                message.content, "incomplete" if out.finish_reason == "length" else "completed"
+            )
         for call in message.tool_calls:
             namespace, name = self.turn.context.tools.origin(call.name)
             item = {
@@ -706,71 +727,106 @@ class Reply(serving.Exchange):
                 item["namespace"] = namespace
             yield item
 
-    def finished(self, out: CallOutcome) -> list[dict[str, Any]]:
-        """The events after `opening()` for a finished call: each item's, then the terminal one."""
+    # -- the stream: the reasoning and message items as they are sampled, then the calls' ----------
+    def delta_events(self, delta: Delta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        for index, item in enumerate(self.items(out)):
-            events += self._item_events(index, item)
+        for kind, text in (("reasoning", delta.reasoning), ("message", delta.content)):
+            if not text:
+                continue
+            if self.open is None or self.open[0] != kind:
+                events += self._close_open()
+                events += self._open_item(kind)
+            assert self.open is not None
+            self.streamed[kind] += text
+            at = {"item_id": self._id("rs" if kind == "reasoning" else "msg"), "output_index": self.open[1]}
+            if kind == "reasoning":
+                events.append(
+                    self.event("response.reasoning_summary_text.delta", **at, summary_index=0, delta=text)
+                )
+            else:
+                events.append(
+                    self.event("response.output_text.delta", **at, content_index=0, delta=text, logprobs=[])
+                )
+        if delta.tool_call is not None:
+            self.calls.append(delta.tool_call)
+        return events
+
+    def _open_item(self, kind: str) -> list[dict[str, Any]]:
+        self.index += 1
+        self.open = (kind, self.index)
+        if kind == "reasoning":
+            item: dict[str, Any] = {**self._reasoning_item(""), "status": "in_progress", "summary": []}
+            at = {"item_id": item["id"], "output_index": self.index}
+            part = {"type": "summary_text", "text": ""}
+            return [
+                self.event("response.output_item.added", output_index=self.index, item=item),
+                self.event("response.reasoning_summary_part.added", **at, summary_index=0, part=part),
+            ]
+        item = {**self._message_item(""), "status": "in_progress", "content": []}
+        at = {"item_id": item["id"], "output_index": self.index}
+        text_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=self.index, item=item),
+            self.event("response.content_part.added", **at, content_index=0, part=text_part),
+        ]
+
+    def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        kind, index = self.open
+        self.open = None
+        text = self.streamed[kind]
+        if kind == "reasoning":
+            item = self._reasoning_item(text)
+            at = {"item_id": item["id"], "output_index": index, "summary_index": 0}
+            events = [
+                self.event("response.reasoning_summary_text.done", **at, text=text),
+                self.event("response.reasoning_summary_part.done", **at, part=item["summary"][0]),
+            ]
+        else:
+            item = self._message_item(text, status)
+            at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events = [
+                self.event("response.output_text.done", **at, text=text, logprobs=[]),
+                self.event("response.content_part.done", **at, part=item["content"][0]),
+            ]
+        return [*events, self.event("response.output_item.done", output_index=index, item=item)]
+
+    def end_events(self, out: CallOutcome) -> list[dict[str, Any]]:
+        """The events that close a finished call's stream: the open item's end, the message item
+        when nothing was said (an answer without calls has one), each call's item, then the
+        terminal event."""
+        status = "incomplete" if out.finish_reason == "length" else "completed"
+        events = self._close_open(status)
+        items = self.items(out)
+        said = any(item["type"] == "message" for item in items[: self.index + 1])
+        for item in items[self.index + 1 :]:
+            if item["type"] == "message" and not said:
+                events += self._open_item("message") + self._close_open(status)
+            elif item["type"] == "function_call":
+                self.index += 1
+                events += self._call_events(self.index, item)
         final = self.completed(out)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         events.append(self.event(kind, response=final))
         return events
 
-    def _item_events(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+    def finished(self, out: CallOutcome) -> list[dict[str, Any]]:
+        """The events after `opening()` for a call that was not streamed."""
+        return [e for d in message_deltas(out.message) for e in self.delta_events(d)] + self.end_events(out)
+
+    def _call_events(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
         at = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            part = item["content"][0]
-            events = [
-                self.event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "status": "in_progress", "content": []},
-                ),
-                self.event("response.content_part.added", **at, content_index=0, part={**part, "text": ""}),
-            ]
-            if part["text"]:
-                events.append(
-                    self.event(
-                        "response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=[]
-                    )
-                )
-            events += [
-                self.event(
-                    "response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[]
-                ),
-                self.event("response.content_part.done", **at, content_index=0, part=part),
-            ]
-        elif item["type"] == "reasoning":
-            text = item["summary"][0]["text"]
-            summary = {"summary_index": 0}
-            events = [
-                self.event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "status": "in_progress", "summary": []},
-                ),
-                self.event(
-                    "response.reasoning_summary_part.added",
-                    **at,
-                    **summary,
-                    part={"type": "summary_text", "text": ""},
-                ),
-                self.event("response.reasoning_summary_text.delta", **at, **summary, delta=text),
-                self.event("response.reasoning_summary_text.done", **at, **summary, text=text),
-                self.event("response.reasoning_summary_part.done", **at, **summary, part=item["summary"][0]),
-            ]
-        else:
-            events = [
-                self.event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "status": "in_progress", "arguments": ""},
-                ),
-                self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", **at, arguments=item["arguments"]),
-            ]
-        events.append(self.event("response.output_item.done", output_index=index, item=item))
-        return events
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "arguments": ""},
+            ),
+            self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+            self.event("response.function_call_arguments.done", **at, arguments=item["arguments"]),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def failed(self, err: GatewayError) -> list[dict[str, Any]]:
         """A failure after the stream began: `response.failed` (Codex reads the code to retry)."""
@@ -911,26 +967,49 @@ class _Socket:
             self.host.release(prepared)
         if outcome is not None:
             reply.remember(outcome)
-            await self._send(reply.finished(outcome))
+            await self._send(reply.end_events(outcome))
 
     async def _run(self, prepared: PreparedCall, reply: Reply) -> CallOutcome | None:
-        """Generate; `response.in_progress` as keep-alive meanwhile; None if the client went away."""
-        task = asyncio.ensure_future(self.host.run(prepared))
+        """Generate, sending the answer's events as it is sampled (`response.in_progress` as
+        keep-alive while the engine is silent); None if the client went away."""
+        pending: list[dict[str, Any]] = []
+        ready = asyncio.Event()
+
+        def queue(delta: Delta) -> None:
+            pending.extend(reply.delta_events(delta))
+            ready.set()
+
+        task = asyncio.ensure_future(self.host.run(prepared, queue))
         gone = asyncio.ensure_future(self.gone.wait())
+        waiter: asyncio.Future[Any] | None = None
         try:
             while True:
-                done, _ = await asyncio.wait({task, gone}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED")
-                if task in done:
-                    return task.result()
+                waiter = asyncio.ensure_future(ready.wait())
+                done, _ = await asyncio.wait(
+                    {task, gone, waiter}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
+                )
+                waiter.cancel()
                 if gone in done:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, GatewayError):
                         await task
                     return None
-                await self._send(
-                    [reply.event("response.in_progress", response=reply.response("in_progress"))]
-                )
+                if pending:
+                    ready.clear()
+                    events = pending[:]
+                    pending.clear()
+                    await self._send(events)
+                elif not done:
+                    await self._send(
+                        [reply.event("response.in_progress", response=reply.response("in_progress"))]
+                    )
+                if task.done():
+                    if pending:
+                        await self._send(pending)
+                    return task.result()
         finally:
             gone.cancel()
+            if waiter is not None:
+                waiter.cancel()
             if not task.done():
                 task.cancel()
