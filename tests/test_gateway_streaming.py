@@ -117,21 +117,20 @@ class Gate:
 
     def __init__(self, engine: ScriptEngine) -> None:
         self.opened = threading.Event()
-        self.holding = False  # the engine waits at the gate (and gives up after 30 s)
+        self.passed = False  # the engine went past the gate (opened, or given up after 30 s)
         self.seen_while_held = False
         engine.between_tokens = self.between
 
     async def between(self, n: int) -> None:
         if n == HOLD_AT:
-            self.holding = True
             await asyncio.to_thread(self.opened.wait, 30)
-            self.holding = False
+            self.passed = True
         await asyncio.sleep(0)
 
     def seen(self) -> None:
         """The client got a piece of the answer."""
         if not self.opened.is_set():
-            self.seen_while_held = self.holding
+            self.seen_while_held = not self.passed
             self.opened.set()
 
 
@@ -143,18 +142,15 @@ def gw(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield g
 
 
-def _same_records(gw: Any, streamed: dict[str, Any], whole: dict[str, Any]) -> None:
+def _same_records(gw: Any, streamed: dict[str, Any], whole: dict[str, Any], tolerance: float = 0.0) -> None:
+    """The two calls' records hold the same (logprobs within `tolerance`: a model's float rounding
+    differs with what shares its batch or cache)."""
     (a,), (b,) = calls_of(gw, streamed["rollout_id"]), calls_of(gw, whole["rollout_id"])
-    keys = [
-        "prompt_ids",
-        "completion_ids",
-        "completion_logprobs",
-        "response",
-        "finish_reason",
-        "parse_errors",
-    ]
+    keys = ["prompt_ids", "completion_ids", "response", "finish_reason", "parse_errors"]
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert a["status"] == b["status"] == "ok"
+    pairs = zip(a["completion_logprobs"], b["completion_logprobs"], strict=True)
+    assert all(abs(x - y) <= tolerance for x, y in pairs)
 
 
 @pytest.mark.parametrize("answer", [ANSWER, CALLS], ids=["text", "tool_call"])
@@ -254,9 +250,7 @@ def test_gemini_streams_parts_that_reassemble_the_answer(gw: Any) -> None:
         return genai.Client(api_key=ro["api_key"], http_options=types.HttpOptions(base_url=ro["base_url"]))
 
     asker = client(whole_ro)  # kept: a client that is collected closes its connections
-    whole = asker.models.generate_content(
-        model="gemini-x", contents="What is here?", config=config
-    )
+    whole = asker.models.generate_content(model="gemini-x", contents="What is here?", config=config)
     gate = Gate(gw.engine)
     parts: list[dict[str, Any]] = []
     streamer = client(streamed_ro)
@@ -352,3 +346,29 @@ def test_the_builtin_engine_hands_over_each_sampled_id_before_it_returns(tiny_mo
     streamed, returned, completion, plain = asyncio.run(main())
     assert streamed == completion == plain and len(completion) > 1
     assert len(returned) == len(completion) and not any(returned)  # one run per decode step, all before
+
+
+def test_the_tiny_model_streams_through_the_gateway_as_it_answers_whole(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The real model generating (greedy, so the two calls sample alike): every dialect's stream,
+    decoded piece by piece, reassembles into the record's answer."""
+    with running_gateway(tiny_model_dir, tmp_path, max_tokens=48) as g:
+        for seed in range(3):
+            ask: Any = {
+                "model": "m",
+                "messages": [{"role": "user", "content": f"Tell me about {seed} files."}],
+                "tools": [{"type": "function", "function": SHELL}],
+            }
+            greedy = {"sampling": {"temperature": 0.0}}  # the run's policy decides sampling, not the ask
+            whole_ro, streamed_ro = new_rollout(g, **greedy), new_rollout(g, **greedy)
+            whole = OpenAI(base_url=whole_ro["base_url"] + "/v1", api_key=whole_ro["api_key"])
+            message = whole.chat.completions.create(**ask).choices[0].message
+            client = OpenAI(base_url=streamed_ro["base_url"] + "/v1", api_key=streamed_ro["api_key"])
+            chunks = list(client.chat.completions.create(**ask, stream=True))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert content == (message.content or "")
+            _same_records(g, streamed_ro, whole_ro, tolerance=1e-4)
+            (record,) = calls_of(g, streamed_ro["rollout_id"])
+            pieces = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+            assert pieces > 1 or len(record["completion_ids"]) <= 2  # it streamed as it sampled
