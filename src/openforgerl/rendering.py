@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,17 +192,34 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class Tip:
-    """The end of a branch: everything needed to extend it without re-tokenising."""
+    """The end of a branch: everything needed to extend it without re-tokenising.
+
+    Its ids (prompt + completion) are the first `length` of `buffer`, int32s that the tips of one
+    branch share: a call that extends the branch appends to its parent's buffer, so a rollout holds
+    each token once (4 bytes) instead of a list of Python ints per call."""
 
     call_id: int
     branch_id: int
     keys: list[bytes]
     tools_key: bytes
-    ids: list[int]
+    buffer: array[int]
+    length: int
     prompt_text_len: int
     prompt_text_hash: bytes
     ended_with_turn_end: bool
     extended: bool = False
+
+    @property
+    def ids(self) -> list[int]:
+        return self.buffer[: self.length].tolist()
+
+    def extended_by(self, ids: Sequence[int]) -> tuple[array[int], int]:
+        """(buffer, length) of `ids`, which continue this tip (a plan built them from it): this tip's
+        buffer, appended to, unless another call already appended to it (a fork gets its own)."""
+        if len(self.buffer) == self.length:
+            self.buffer.extend(ids[self.length :])
+            return self.buffer, len(ids)
+        return array("i", ids), len(ids)
 
     def memory_record(self) -> dict[str, Any]:
         """What the store keeps so a restarted gateway can rebuild this tip."""
@@ -287,7 +305,7 @@ class TokenMemory:
                         keys=keys,
                         tools_key=tkey,
                         parent=best,
-                        prefix_len=len(best.ids),
+                        prefix_len=best.length,
                         first_new_message=len(best.keys),
                         miss_reason="",
                         images=images,
@@ -338,12 +356,15 @@ class TokenMemory:
                 reason = f"fork: call {parent.call_id} was already extended by another call"
             branch_id = self.next_branch_id
         self.next_branch_id = max(self.next_branch_id, branch_id + 1)
+        ids = plan.prompt_ids + list(completion_ids)
+        buffer, length = parent.extended_by(ids) if parent is not None else (array("i", ids), len(ids))
         tip = Tip(
             call_id=call_id,
             branch_id=branch_id,
             keys=[*plan.keys, message_key(generated)],
             tools_key=plan.tools_key,
-            ids=plan.prompt_ids + list(completion_ids),
+            buffer=buffer,
+            length=length,
             prompt_text_len=len(plan.prompt_text),
             prompt_text_hash=_digest(plan.prompt_text.encode()),
             ended_with_turn_end=turn_end,
@@ -361,7 +382,8 @@ class TokenMemory:
                 branch_id=branch_id,
                 keys=[bytes.fromhex(k) for k in memory["keys"]],
                 tools_key=bytes.fromhex(memory["tools_key"]),
-                ids=ids,
+                buffer=array("i", ids),
+                length=len(ids),
                 prompt_text_len=memory["prompt_text_len"],
                 prompt_text_hash=bytes.fromhex(memory["prompt_text_hash"]),
                 ended_with_turn_end=memory["ended_with_turn_end"],
