@@ -95,12 +95,20 @@ def wrap(
     return ["sh", "-c", _WRAPPER, "sh", str(seconds), str(stdin_len), cwd, *command]
 
 
-def resolve(path: str) -> str:
-    """The absolute path inside for `path`, which must lie in the work dir, HOME or /tmp."""
-    full = posixpath.normpath(posixpath.join(WORKDIR, path))
-    if not any(full == root or full.startswith(root + "/") for root in ROOTS):
-        raise ValueError(f"{path!r} is outside the sandbox's work dir, HOME and /tmp")
+def resolve(path: str, workdir: str = WORKDIR, roots: Sequence[str] = ROOTS) -> str:
+    """The absolute path inside for `path` (relative to `workdir`), which must lie in one of `roots`
+    (the work dir, HOME, /tmp and a spec's extra dirs)."""
+    full = posixpath.normpath(posixpath.join(workdir, path))
+    if not any(full == root or full.startswith(root + "/") for root in roots):
+        raise ValueError(f"{path!r} is outside the sandbox's work dir, HOME, /tmp and its extra dirs")
     return full
+
+
+def sandbox_roots(spec: base.SandboxSpec) -> tuple[str, ...]:
+    """The dirs of a container sandbox that files can be put into: its work dir (the spec's, or
+    /workspace), HOME, /tmp and the spec's extra dirs."""
+    workdir = posixpath.normpath(spec.workdir) if spec.workdir else WORKDIR
+    return (workdir, HOME, TMP, *(posixpath.normpath(d) for d in spec.extra_dirs))
 
 
 def extract_argv(dest: str) -> list[str]:
@@ -127,12 +135,12 @@ def tar_file(name: str, data: bytes, mode: int) -> bytes:
     return buf.getvalue()
 
 
-def tar_files(files: Mapping[str, bytes | str]) -> dict[str, bytes]:
-    """The spec's files as one tar stream per root (work dir, HOME, /tmp), each relative to its root."""
+def tar_files(files: Mapping[str, bytes | str], roots: Sequence[str] = ROOTS) -> dict[str, bytes]:
+    """The spec's files as one tar stream per root (`roots[0]` the work dir), each relative to its root."""
     by_root: dict[str, tarfile.TarFile] = {}
     buffers: dict[str, io.BytesIO] = {}
     for path, content in files.items():
-        full = resolve(path)
+        full = resolve(path, roots[0], roots)
         root = next(r for r in ROOTS if full == r or full.startswith(r + "/"))
         if root not in by_root:
             buffers[root] = io.BytesIO()
@@ -217,7 +225,14 @@ class ContainerSandbox(base.Sandbox):
 
     @property
     def workdir(self) -> str:
-        return WORKDIR
+        return self._roots[0]
+
+    @property
+    def _roots(self) -> tuple[str, ...]:
+        return sandbox_roots(self.spec)
+
+    def _resolve(self, path: str) -> str:
+        return resolve(path, self.workdir, self._roots)
 
     @property
     def tmpdir(self) -> str:
@@ -255,7 +270,7 @@ class ContainerSandbox(base.Sandbox):
         self, argv: Sequence[str], stdin: bytes | None, output: base.Output, limit_s: float | None
     ) -> int:
         """argv under the wrapper in the work dir, for at most `limit_s`."""
-        wrapped = wrap(argv, cwd=WORKDIR, limit_s=limit_s, stdin_len=len(stdin or b""))
+        wrapped = wrap(argv, cwd=self.workdir, limit_s=limit_s, stdin_len=len(stdin or b""))
         return await self._raw(wrapped, stdin, output, limit_s + GRACE_S if limit_s else None)
 
     async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
@@ -274,7 +289,8 @@ class ContainerSandbox(base.Sandbox):
                 f"image {self._image} lacks {', '.join(missing) or 'a POSIX shell'}: "
                 f"a container sandbox needs {', '.join(TOOLS)}"
             )
-        for root, data in tar_files(self.spec.files).items():
+        await self._put_workspace()
+        for root, data in tar_files(self.spec.files, self._roots).items():
             await self._transfer(extract_argv(root), data)
 
     async def _exec(
@@ -300,14 +316,14 @@ class ContainerSandbox(base.Sandbox):
         return output.result(code, killed_by=killed_by, started=started, ended=time.monotonic())
 
     async def _put_file(self, path: str, data: bytes, mode: int) -> None:
-        parent, _, leaf = resolve(path).rpartition("/")
+        parent, _, leaf = self._resolve(path).rpartition("/")
         await self._transfer(extract_argv(parent or "/"), tar_file(leaf, data, mode))
 
     async def _put_dir(self, src: Path, dest: str) -> None:
-        await self._transfer(extract_argv(resolve(dest)), await asyncio.to_thread(tar_dir, src))
+        await self._transfer(extract_argv(self._resolve(dest)), await asyncio.to_thread(tar_dir, src))
 
     async def _get_file(self, path: str) -> bytes:
-        full = resolve(path)
+        full = self._resolve(path)
         output = base.Output(FILE_LIMIT)
         code = await self._run([*READ_ARGV, "sh", full], None, output, 600)
         if code == 2:

@@ -224,15 +224,18 @@ def pod_manifest(
     inside = (cfg.gateway_url or spec.gateway_url) if spec.network != "none" else None
     env = container.base_env(rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
     size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
+    workdir, home, tmp, *extra = container.sandbox_roots(spec)
     volumes: list[dict[str, Any]] = [
         {"name": "workspace", "emptyDir": dict(size)},
         {"name": "home", "emptyDir": dict(size)},
         {"name": "tmp", "emptyDir": dict(size)},
+        *({"name": f"extra-{i}", "emptyDir": dict(size)} for i in range(len(extra))),
     ]
     mounts: list[dict[str, Any]] = [
-        {"name": "workspace", "mountPath": container.WORKDIR},
-        {"name": "home", "mountPath": container.HOME},
-        {"name": "tmp", "mountPath": container.TMP},
+        {"name": "workspace", "mountPath": workdir},
+        {"name": "home", "mountPath": home},
+        {"name": "tmp", "mountPath": tmp},
+        *({"name": f"extra-{i}", "mountPath": path} for i, path in enumerate(extra)),
     ]
     if cfg.harness_claim:
         volumes.append(
@@ -260,7 +263,7 @@ def pod_manifest(
                 "image": spec.image or cfg.image,
                 "imagePullPolicy": cfg.image_pull_policy,
                 "command": container.IDLE,
-                "workingDir": container.WORKDIR,
+                "workingDir": workdir,
                 "env": [{"name": k, "value": v} for k, v in env.items()],
                 "resources": {"requests": dict(resources), "limits": dict(resources)},
                 "securityContext": {
@@ -535,6 +538,12 @@ class KubernetesBackend:
     def create(self, spec: SandboxSpec, name: str) -> KubernetesSandbox:
         if spec.network != "none" and not (self.cfg.gateway_url or spec.gateway_url):
             raise ValueError(f"network={spec.network!r} needs the gateway's URL as Pods reach it")
+        if spec.build is not None:
+            raise SandboxUnavailable(
+                f"sandbox {name}: its image {spec.image} is made from {spec.build}/Dockerfile, which a "
+                "cluster cannot build: build and push it, and name it as the task's image "
+                "(Harbor: [environment] docker_image)"
+            )
         if spec.ro_binds:
             # A Pod sees its image, not this host: the harness must be in the image (or the cache volume).
             log.debug("sandbox %s: ro_binds are not mounted into Pods", name)
