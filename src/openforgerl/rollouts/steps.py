@@ -109,6 +109,8 @@ async def verify(task: Task, sandbox: Sandbox, gateway: GatewayAccess | None = N
     verifier_dir = verifier.at or posixpath.join(sandbox.tmpdir, VERIFIER_DIR)
     if verifier.files is not None:
         await _put_files(sandbox, verifier.files, verifier_dir)
+    if verifier.reward_files:  # what an earlier verification (or the agent) wrote must not count
+        await sandbox.exec(["rm", "-f", "--", *verifier.reward_files], timeout=60)
     env = {**verifier.env, **verifier_env(task.id, verifier_dir)}
     done = await sandbox.exec(verifier.command, env=env, timeout=verifier.timeout)
     if done.timed_out:

@@ -104,9 +104,9 @@ def task_folders(root: Path) -> list[Path]:
 def load_harbor(root: str | Path) -> list[Task]:
     """Every Harbor (or Terminal-Bench 1) task folder in `root`, or `root` itself; every bad folder is
     reported together, each problem naming its file and field."""
-    root = Path(root)
-    if not root.is_dir():
+    if not Path(root).is_dir():
         raise TaskError(f"{root}: not a folder of Harbor tasks")
+    root = Path(root).resolve()
     folders = task_folders(root)
     if not folders:
         raise TaskError(f"{root}: no task folders (a folder with task.toml, or Terminal-Bench's task.yaml)")
