@@ -17,8 +17,9 @@ Fields
     ``train``, ``heldout`` or ``test``. Required on purpose: a default would silently put evaluation
     tasks into training.
 ``files``
-    The initial work directory: a folder path (relative to the task file) copied as-is, or inline
-    ``{relative path: text content}``. Default: empty.
+    The initial work directory: a folder path (relative to the task file) copied byte for byte, with
+    its files' modes and its symlinks (which must point inside it), or inline ``{relative path: text
+    content}``. Default: empty.
 ``setup``
     Shell commands run with ``sh -c`` in the work directory, in order, before the harness starts.
 ``harness``, ``harness_options``
@@ -101,6 +102,8 @@ from pydantic import (
     model_validator,
 )
 
+from openforgerl.sandbox.base import SandboxError, check_tree
+
 Split = Literal["train", "heldout", "test"]
 
 
@@ -131,6 +134,10 @@ def _resolve_files(value: Any, info: ValidationInfo) -> Any:
         folder = (base / value).resolve()
         if not folder.is_dir():
             raise ValueError(f"files folder {str(value)!r} is not a directory (looked at {folder})")
+        try:  # what cannot travel into a sandbox byte for byte is refused here, not mid-run
+            check_tree(folder)
+        except SandboxError as exc:
+            raise ValueError(str(exc)) from None
         return folder
     return value
 
