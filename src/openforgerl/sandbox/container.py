@@ -113,8 +113,9 @@ def sandbox_roots(spec: base.SandboxSpec) -> tuple[str, ...]:
 
 def extract_argv(dest: str) -> list[str]:
     """Unpacks a tar stream on stdin into `dest` (made first, and left out of the stream: a directory
-    entry for it would make tar chmod a mount point it does not own)."""
-    return ["sh", "-c", 'mkdir -p -- "$1" && exec tar -xf - -C "$1"', "sh", dest]
+    entry for it would make tar chmod a mount point it does not own). -o: the files become the
+    extracting user's (an image's root has no capability to give them away), modes as in the stream."""
+    return ["sh", "-c", 'mkdir -p -- "$1" && exec tar -xof - -C "$1"', "sh", dest]
 
 
 # Reads a regular file, or says why not: 2 no such file, 3 not a regular file.
