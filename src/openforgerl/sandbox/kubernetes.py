@@ -24,6 +24,11 @@ Failures (see `assess`): what the cluster did (image pull errors, evictions, pre
 a Pod deleted, a Pod that never became ready, API errors past the retries) raises SandboxStartError,
 which the runner retries; what the rollout did (an OOM kill, the Pod's deadline) is the exec's result,
 a policy outcome. A missing permission or an invalid configuration raises SandboxUnavailable.
+
+A spec's own work dir (Harbor's /app) and extra dirs are emptyDirs like /workspace: what the image
+holds at that path is hidden (the Docker backend keeps it), so such a task's files must come as its
+workspace. A spec whose image is built from a Dockerfile (`SandboxSpec.build`) is refused: a cluster
+pulls images, it does not build them.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ end forwards to the gateway; nothing else is reachable. With network "host" (for
 sites) the command shares the host's network namespace: it reaches the internet, the gateway at its
 host URL, and whatever else listens on the host, its loopback included; the other namespaces stay.
 
+A spec's own work dir (`SandboxSpec.workdir`, Harbor's /app) is where bwrap binds the sandbox's work
+dir, and each of its extra dirs (/tests, /logs/verifier) is a dir of the sandbox's own bound there;
+without bwrap such a spec is refused (SandboxUnavailable), as the host has no /app to give.
+
 Limits: a cgroup v1 per sandbox (memory, cpu, pids) that every exec joins before it starts, which also
 tells OOM kills and pids-limit hits apart; rlimits through `prlimit` where cgroups are not writable.
 
