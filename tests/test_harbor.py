@@ -318,3 +318,40 @@ def test_eval_refuses_tasks_bound_to_their_image_before_loading_a_model(tmp_path
     assert "2 task(s) need their own container image" in result.output
     assert "task 'dockerfile-env' runs only in its image openforge-task-dockerfile-env:" in result.output
     assert "task 'image-env' runs only in its image python:3.12-slim" in result.output
+
+
+def test_allow_internet_false_keeps_the_sandbox_off_the_host_network(tmp_path: Path) -> None:
+    from openforgerl.rollouts.steps import task_spec
+    from openforgerl.sandbox import Limits
+
+    root = make_task_set(tmp_path / "set")
+    tasks = {t.id: t for t in load_tasks(root)}
+    offline, allowed = tasks["txt-reward"], tasks["json-reward"]
+    url = "http://127.0.0.1:8000"
+    assert task_spec(offline, limits=Limits(), network="host", gateway_url=url).network == "gateway"
+    assert task_spec(allowed, limits=Limits(), network="host", gateway_url=url).network == "host"
+    spec = task_spec(offline, limits=Limits(), network="gateway", gateway_url=url)
+    assert (spec.workdir, spec.extra_dirs, spec.limits.cpus) == (
+        "/app",
+        ["/logs/verifier", "/solution", "/tests"],
+        2,
+    )
+
+
+def test_a_yaml_task_with_a_reference_solution_is_checked_too(tmp_path: Path) -> None:
+    """tasks check is not Harbor's alone: a task file's `solution` (files outside the work dir)."""
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions" / "fix.sh").write_text("sed -i s/bug/fixed/ code.txt\n")
+    (tmp_path / "tasks.yaml").write_text(
+        textwrap.dedent("""\
+            id: fix-it
+            instruction: Replace bug by fixed in code.txt.
+            split: test
+            files: {code.txt: "bug\\n"}
+            solution: {command: 'sh "$OPENFORGE_SOLUTION_DIR/fix.sh"', files: solutions}
+            verifier: {command: 'grep -qx fixed code.txt'}
+        """)
+    )
+    result = CliRunner().invoke(cli, ["tasks", "check", str(tmp_path / "tasks.yaml")])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("ok   fix-it (untouched 0.00; solved 1.00, 1.00)"), result.output
