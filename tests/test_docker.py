@@ -193,3 +193,21 @@ def test_a_harbor_dockerfile_task_checks_in_its_own_image(
     finally:
         with contextlib.suppress(docker.errors.ImageNotFound):
             engine.images.remove(str(task.image), force=True)
+
+
+def test_a_task_with_its_own_workdir_gets_its_images_files_there() -> None:
+    """No engine needed: what the container is asked for. Harbor's /app is a volume Docker fills from
+    the image, the image's user runs in it, /tests and /logs/verifier are writable for that user."""
+    spec = SandboxSpec(workdir="/app", extra_dirs=["/tests", "/logs/verifier"], image="task:1")
+    kwargs = backend("dock-app").create(spec, "dock-app-r1")._run_kwargs()
+    [mount] = kwargs["mounts"]
+    assert (mount["Target"], mount["Type"], mount.get("Source")) == ("/app", "volume", None)
+    assert (kwargs["working_dir"], kwargs["user"], kwargs["image"]) == ("/app", None, "task:1")
+    assert sorted(kwargs["tmpfs"]) == ["/home/sandbox", "/logs/verifier", "/tests", "/tmp"]
+    assert all("mode=1777" in options for options in kwargs["tmpfs"].values())
+    plain = backend("dock-app").create(SandboxSpec(), "dock-app-r2")._run_kwargs()
+    assert (plain["mounts"], plain["user"], sorted(plain["tmpfs"])) == (
+        [],
+        "1000:1000",
+        ["/home/sandbox", "/tmp", "/workspace"],
+    )

@@ -142,7 +142,8 @@ def tar_files(files: Mapping[str, bytes | str], roots: Sequence[str] = ROOTS) ->
     buffers: dict[str, io.BytesIO] = {}
     for path, content in files.items():
         full = resolve(path, roots[0], roots)
-        root = next(r for r in ROOTS if full == r or full.startswith(r + "/"))
+        # The innermost root that holds it (an extra dir may lie below another root).
+        root = max((r for r in roots if full == r or full.startswith(r + "/")), key=len)
         if root not in by_root:
             buffers[root] = io.BytesIO()
             by_root[root] = tarfile.open(fileobj=buffers[root], mode="w", format=tarfile.GNU_FORMAT)

@@ -194,7 +194,11 @@ class DockerSandbox(container.ContainerSandbox):
 
     def __init__(self, backend: DockerBackend, spec: SandboxSpec, name: str) -> None:
         super().__init__(
-            spec, name, image=backend.cfg.image, isolation=backend.isolation, backend_name=backend.name
+            spec,
+            name,
+            image=spec.image or backend.cfg.image,
+            isolation=backend.isolation,
+            backend_name=backend.name,
         )
         self.backend = backend
         self._container: Any = None
