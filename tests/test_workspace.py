@@ -16,7 +16,7 @@ import pytest
 from openforgerl.rollouts import steps
 from openforgerl.rollouts.check import tree_digest
 from openforgerl.sandbox import Limits, SandboxError, SandboxSpec, SandboxUnavailable
-from openforgerl.sandbox.container import tar_dir
+from openforgerl.sandbox.container import stdin_chunks, stdin_size, tar_dir
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import CommandVerifier, PythonVerifier, Task, TaskError, load_task_file
 
@@ -156,9 +156,13 @@ def test_links_that_leave_the_workspace_are_refused(tmp_path: Path) -> None:
 
 
 def test_the_container_carrier_keeps_bytes_modes_and_links(tmp_path: Path) -> None:
-    """Docker and Kubernetes get the workspace as one tar stream (tar_dir): unpacked, it is the same."""
+    """Docker and Kubernetes get the workspace as one tar stream (tar_dir, spooled to a file and sent
+    in chunks, never whole in memory): unpacked, it is the same."""
     top = make_workspace(tmp_path / "ws")
-    (tmp_path / "ws.tar").write_bytes(tar_dir(top))
+    with tar_dir(top) as archive:
+        size = stdin_size(archive)
+        (tmp_path / "ws.tar").write_bytes(b"".join(stdin_chunks(archive, 1000)))
+    assert size == (tmp_path / "ws.tar").stat().st_size > 10_000
     with tarfile.open(tmp_path / "ws.tar") as tar:
         assert {m.name for m in tar.getmembers() if m.issym()} == {"latest.csv", "sub/deeper/blob-link"}
         tar.extractall(tmp_path / "out", filter="fully_trusted")

@@ -26,10 +26,12 @@ import math
 import os
 import posixpath
 import tarfile
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from openforgerl.sandbox import base
 
@@ -154,12 +156,36 @@ def tar_files(files: Mapping[str, bytes | str], roots: Sequence[str] = ROOTS) ->
     return {root: buf.getvalue() for root, buf in buffers.items()}
 
 
-def tar_dir(src: str | Path) -> bytes:
-    """A host directory's contents (symlinks kept as links), relative to it."""
+# A command's stdin: bytes, or a file (a tar spooled to disk) read from its start to its end in chunks,
+# so that a large workspace never sits in memory whole.
+Stdin = bytes | BinaryIO
+CHUNK = 1 << 20
+
+
+def stdin_size(stdin: Stdin | None) -> int:
+    if stdin is None:
+        return 0
+    if isinstance(stdin, bytes):
+        return len(stdin)
+    return os.fstat(stdin.fileno()).st_size
+
+
+def stdin_chunks(stdin: Stdin, size: int = CHUNK) -> Iterator[bytes]:
+    """`stdin` in chunks of at most `size` bytes."""
+    if isinstance(stdin, bytes):
+        yield from (stdin[i : i + size] for i in range(0, len(stdin), size))
+        return
+    stdin.seek(0)
+    yield from iter(lambda: stdin.read(size), b"")
+
+
+def tar_dir(src: str | Path, out: BinaryIO | None = None) -> BinaryIO:
+    """A host directory's contents (bytes, modes, symlinks kept as links), relative to it, as a tar
+    written to `out` (default: a new temp file, on disk beyond a few MiB), which is returned."""
     src = Path(src)
     if not src.is_dir():
         raise NotADirectoryError(f"{src} is not a directory")
-    buf = io.BytesIO()
+    buf: BinaryIO = out if out is not None else tempfile.TemporaryFile()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
         for dirpath, dirnames, filenames in os.walk(src):
             for name in sorted([*dirnames, *filenames]):
@@ -172,7 +198,8 @@ def tar_dir(src: str | Path) -> bytes:
                         tar.addfile(info, f)
                 else:
                     tar.addfile(info)
-    return buf.getvalue()
+    buf.flush()
+    return buf
 
 
 def base_env(spec_env: Mapping[str, str], gateway_url: str | None) -> dict[str, str]:
@@ -246,7 +273,7 @@ class ContainerSandbox(base.Sandbox):
 
     @abc.abstractmethod
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: Stdin | None, output: base.Output, wait_s: float | None
     ) -> int:
         """Runs argv (not wrapped) through the exec API, its output into `output`, and returns its exit
         code; raises StreamLost when no exit status came back, or gives up after `wait_s`."""
@@ -260,7 +287,7 @@ class ContainerSandbox(base.Sandbox):
         return None
 
     async def _raw(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: Stdin | None, output: base.Output, wait_s: float | None
     ) -> int:
         """`_stream`, with a lost stream an infrastructure failure."""
         try:
@@ -269,13 +296,13 @@ class ContainerSandbox(base.Sandbox):
             raise base.SandboxStartError(f"sandbox {self.name}: {e}") from e
 
     async def _run(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, limit_s: float | None
+        self, argv: Sequence[str], stdin: Stdin | None, output: base.Output, limit_s: float | None
     ) -> int:
         """argv under the wrapper in the work dir, for at most `limit_s`."""
-        wrapped = wrap(argv, cwd=self.workdir, limit_s=limit_s, stdin_len=len(stdin or b""))
+        wrapped = wrap(argv, cwd=self.workdir, limit_s=limit_s, stdin_len=stdin_size(stdin))
         return await self._raw(wrapped, stdin, output, limit_s + GRACE_S if limit_s else None)
 
-    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
+    async def _transfer(self, argv: Sequence[str], data: Stdin) -> None:
         output = base.Output()
         code = await self._run(argv, data, output, None)
         if code != 0:
@@ -322,7 +349,8 @@ class ContainerSandbox(base.Sandbox):
         await self._transfer(extract_argv(parent or "/"), tar_file(leaf, data, mode))
 
     async def _put_dir(self, src: Path, dest: str) -> None:
-        await self._transfer(extract_argv(self._resolve(dest)), await asyncio.to_thread(tar_dir, src))
+        with await asyncio.to_thread(tar_dir, src) as archive:
+            await self._transfer(extract_argv(self._resolve(dest)), archive)
 
     async def _get_file(self, path: str) -> bytes:
         full = self._resolve(path)

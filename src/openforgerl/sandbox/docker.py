@@ -329,7 +329,7 @@ class DockerSandbox(container.ContainerSandbox):
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _exec_blocking(self, argv: Sequence[str], stdin: bytes | None, output: Output) -> int:
+    def _exec_blocking(self, argv: Sequence[str], stdin: container.Stdin | None, output: Output) -> int:
         api = self.backend.client.api
         exec_id = api.exec_create(self._container.id, list(argv), stdin=stdin is not None, user=self._user)[
             "Id"
@@ -337,8 +337,9 @@ class DockerSandbox(container.ContainerSandbox):
         sock = api.exec_start(exec_id, socket=True)
         raw = getattr(sock, "_sock", sock)
         try:
-            if stdin:
-                raw.sendall(stdin)
+            if stdin is not None:
+                for chunk in container.stdin_chunks(stdin):
+                    raw.sendall(chunk)
             with contextlib.suppress(OSError):
                 raw.shutdown(socket.SHUT_WR)
             for stream, data in frames_iter(sock, tty=False):
@@ -351,7 +352,7 @@ class DockerSandbox(container.ContainerSandbox):
         return int(code)
 
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: container.Stdin | None, output: Output, wait_s: float | None
     ) -> int:
         """Docker's exec; what breaks the stream fails the sandbox (SandboxStartError), never StreamLost."""
         try:

@@ -758,7 +758,7 @@ class KubernetesSandbox(container.ContainerSandbox):
     # -- exec ------------------------------------------------------------------------------------
 
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: container.Stdin | None, output: base.Output, wait_s: float | None
     ) -> int:
         """Runs argv through the exec API; raises StreamLost when no exit status came back."""
         session = self._session
@@ -789,8 +789,8 @@ class KubernetesSandbox(container.ContainerSandbox):
         try:
             async with asyncio.timeout(wait_s):
                 if stdin is not None:
-                    for i in range(0, len(stdin), _CHUNK):
-                        await ws.send_bytes(bytes([_STDIN]) + stdin[i : i + _CHUNK])
+                    for chunk in container.stdin_chunks(stdin, _CHUNK):
+                        await ws.send_bytes(bytes([_STDIN]) + chunk)
                     await ws.send_bytes(bytes([_CLOSE, _STDIN]))
                 async for msg in ws:
                     if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
