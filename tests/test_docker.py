@@ -8,6 +8,7 @@ OPENFORGE_DOCKER_IMAGE set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -21,8 +22,10 @@ import pytest
 from click.testing import CliRunner
 
 from openforgerl.cli import main as cli
+from openforgerl.rollouts.check import tree_digest
 from openforgerl.sandbox import Limits, SandboxSpec
 from openforgerl.sandbox.docker import DockerBackend, DockerConfig, collect_garbage
+from openforgerl.tasks import CommandVerifier, PythonVerifier, load_tasks
 
 IMAGE = os.environ.get("OPENFORGE_DOCKER_IMAGE", "openforgerl/debian-test:bookworm")
 
@@ -144,3 +147,67 @@ def test_gc_removes_containers_left_behind(engine: docker.DockerClient) -> None:
 def test_doctor_checks_the_engine(engine: docker.DockerClient) -> None:
     done = CliRunner().invoke(cli, ["doctor", "--backend", "docker"])
     assert "ok       engine: Docker" in done.output, done.output
+
+
+def test_the_workspace_arrives_byte_exact_in_a_container(engine: docker.DockerClient, tmp_path: Path) -> None:
+    """#26: another encoding, a binary, an executable and links, in /workspace and in a task's /app."""
+    from tests.test_workspace import inside_check, make_workspace, same_tree, task_with, verify_in_sandbox
+
+    top = make_workspace(tmp_path / "ws")
+    expected = tree_digest(top)
+    command = CommandVerifier(command=inside_check(top))
+    python = PythonVerifier(python="tests.test_workspace:same_tree", kwargs={"expected": expected})
+    assert same_tree(top, expected)["reward"] == 1.0
+    for workdir in (None, "/app"):
+        for verifier in (command, python):
+            task = task_with(top, verifier, workdir=workdir)
+            assert asyncio.run(verify_in_sandbox(backend("dock-ws"), task)) == 1.0, (workdir, verifier)
+    assert not ours(engine, "dock-ws")
+
+
+def test_a_harbor_dockerfile_task_checks_in_its_own_image(
+    engine: docker.DockerClient, tmp_path: Path
+) -> None:
+    """#26: the image is built from environment/Dockerfile (what it put in /app is there), tests go
+    to /tests, the reward comes from /logs/verifier; refused on local (test_harbor.py), sound here."""
+    from tests.test_harbor import harbor_task
+
+    root = tmp_path / "set"
+    harbor_task(
+        root,
+        "seeded",
+        test_sh='#!/bin/bash\n[ "$(cat /app/answer.txt)" = "$(cat /app/seed.txt)" ] && echo 1 > '
+        "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n",
+        solve_sh="#!/bin/bash\ncp /app/seed.txt /app/answer.txt\n",
+        dockerfile=f"FROM {IMAGE}\nWORKDIR /app\nCOPY seed.txt /app/seed.txt\n",
+        workspace={"seed.txt": b"\xff\xfebinary seed\n"},
+    )
+    [task] = load_tasks(root)
+    try:
+        result = CliRunner().invoke(
+            cli, ["tasks", "check", str(root), "--backend", "docker", "--image", IMAGE]
+        )
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("ok   seeded (untouched 0.00; solved 1.00, 1.00)"), result.output
+        assert engine.images.get(str(task.image))
+    finally:
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            engine.images.remove(str(task.image), force=True)
+
+
+def test_a_task_with_its_own_workdir_gets_its_images_files_there() -> None:
+    """No engine needed: what the container is asked for. Harbor's /app is a volume Docker fills from
+    the image, the image's user runs in it, /tests and /logs/verifier are writable for that user."""
+    spec = SandboxSpec(workdir="/app", extra_dirs=["/tests", "/logs/verifier"], image="task:1")
+    kwargs = backend("dock-app").create(spec, "dock-app-r1")._run_kwargs()
+    [mount] = kwargs["mounts"]
+    assert (mount["Target"], mount["Type"], mount.get("Source")) == ("/app", "volume", None)
+    assert (kwargs["working_dir"], kwargs["user"], kwargs["image"]) == ("/app", None, "task:1")
+    assert sorted(kwargs["tmpfs"]) == ["/home/sandbox", "/logs/verifier", "/tests", "/tmp"]
+    assert all("mode=1777" in options for options in kwargs["tmpfs"].values())
+    plain = backend("dock-app").create(SandboxSpec(), "dock-app-r2")._run_kwargs()
+    assert (plain["mounts"], plain["user"], sorted(plain["tmpfs"])) == (
+        [],
+        "1000:1000",
+        ["/home/sandbox", "/tmp", "/workspace"],
+    )

@@ -18,6 +18,7 @@ from openforgerl.cli.harness import harness
 from openforgerl.cli.model import model
 from openforgerl.cli.rollout import rollout_cmd
 from openforgerl.cli.sft import sft_cmd
+from openforgerl.cli.tasks import tasks
 from openforgerl.cli.train import train_cmd
 from openforgerl.cli.verl_data import verl_data_cmd
 from openforgerl.cli.view import view
@@ -42,6 +43,7 @@ for command in (
     train_cmd,
     verl_data_cmd,
     sft_cmd,
+    tasks,
 ):
     main.add_command(command)
 

@@ -115,7 +115,8 @@ def rollout_options(fn: Any) -> Any:
             click.option(
                 "--tasks",
                 required=True,
-                help="A suite (tools-tiny, tools-tiny-faults, claw-basic, web-basic) or task file/dir.",
+                help="A suite (tools-tiny, tools-tiny-faults, claw-basic, web-basic), a task file/dir, or "
+                "harbor:DIR (Harbor task folders; found by themselves in a dir without task files).",
             ),
             click.option(
                 "--harness",
@@ -245,12 +246,14 @@ def eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) ->
 def refusing_bad_network(run: Any, opts: Any) -> Any:
     """Live-site tasks without --network host: a usage error that names the option."""
     from openforgerl.harnesses.launch import HarnessNotInstalled
-    from openforgerl.rollouts.runner import NetworkNotAllowed
+    from openforgerl.rollouts.runner import NetworkNotAllowed, TaskNeedsImage
 
     try:
         return run(opts)
     except NetworkNotAllowed as exc:
         raise click.UsageError(str(exc)) from exc
+    except TaskNeedsImage as exc:
+        raise click.ClickException(str(exc)) from exc
     except HarnessNotInstalled as exc:
         raise click.ClickException(str(exc)) from exc
 

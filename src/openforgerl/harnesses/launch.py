@@ -52,6 +52,17 @@ class HarnessLaunch:
 HarnessFactory = Callable[[Task, str, str, Sandbox], Awaitable[HarnessLaunch]]
 
 
+def _own_package(python: str) -> dict[str, str]:
+    """The env that makes this interpreter import, inside a local sandbox, the very package the
+    runner runs (bound there by python_binds): a source tree on PYTHONPATH is not on the venv's own
+    path, which may name another checkout. Other interpreters (an image's python3) keep theirs."""
+    if python != sys.executable:
+        return {}
+    import openforgerl
+
+    return {"PYTHONPATH": str(Path(openforgerl.__file__).parent.parent)}
+
+
 def react_harness(
     max_turns: int = 12, max_tokens: int | None = None, python: str = sys.executable
 ) -> HarnessFactory:
@@ -66,7 +77,7 @@ def react_harness(
         argv += ["--task", f"@{task_file}", "--max-turns", str(turns)]
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        return HarnessLaunch(argv, {}, {task_file: task.instruction})
+        return HarnessLaunch(argv, _own_package(python), {task_file: task.instruction})
 
     return launch
 
@@ -104,7 +115,8 @@ def gui_harness(
             argv.append("--a11y")
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        return HarnessLaunch(argv, {}, {task_file: task.instruction}, infra_exit_code=GUI_EXIT_INFRA)
+        env = _own_package(python)
+        return HarnessLaunch(argv, env, {task_file: task.instruction}, infra_exit_code=GUI_EXIT_INFRA)
 
     return launch
 

@@ -91,6 +91,7 @@ from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rl.config import TrainOptions as TrainOptions
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
+from openforgerl.rollouts.runner import check_images
 from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.tasks import Task, load_tasks
@@ -441,6 +442,7 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     if opts.eval_every:
         eval_tasks = load_tasks(opts.tasks, split=opts.eval_split)[: opts.eval_limit]  # type: ignore[arg-type]
     harness.check([*train_tasks, *eval_tasks])  # a missing CLI too
+    check_images([*train_tasks, *eval_tasks], "local")  # tasks bound to their image: not here
 
     demonstrations = ptx_demonstrations(opts)
     checkpoints = list(iter_checkpoints(run_dir / "checkpoints"))

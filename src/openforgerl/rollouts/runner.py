@@ -19,10 +19,6 @@ Sandboxes reach only the gateway (network "gateway"), unless the run allows the 
 from __future__ import annotations
 
 import asyncio
-import io
-import posixpath
-import tarfile
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,26 +27,18 @@ from typing import Any, Literal
 
 from openforgerl import behaviour, faults
 from openforgerl.harnesses.launch import HarnessFactory, python_binds, python_hidden
+from openforgerl.rollouts import steps
 from openforgerl.rollouts.admin import AdminClient
 from openforgerl.rollouts.results import RolloutResult, RunState, Status
 from openforgerl.sampling import derive_seed
 from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
-from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
-from openforgerl.tasks.verify import (
-    GatewayAccess,
-    VerifierError,
-    VerifierResult,
-    parse_verifier_output,
-    run_python_verifier,
-    verifier_env,
-    write_files,
-)
+from openforgerl.tasks import Task
+from openforgerl.tasks.verify import GatewayAccess, VerifierError, VerifierResult
 
 OnFailure = Literal["zero", "drop", "verify"]
 RunNetwork = Literal["gateway", "host"]  # what a run's sandboxes reach (see the module's doc)
-# In the sandbox's temp dir (`Sandbox.tmpdir`), outside the work dir: the agent never sees them.
-VERIFIER_DIR = "openforge-verifier"  # a command verifier's files
-WORKDIR_TAR = "openforge-workdir.tar"  # the work dir, copied out for a Python verifier
+VERIFIER_DIR = steps.VERIFIER_DIR  # where they were, for importers
+WORKDIR_TAR = steps.WORKDIR_TAR
 
 
 @dataclass
@@ -101,6 +89,32 @@ def check_network(tasks: Sequence[Task], network: str) -> None:
         )
 
 
+class TaskNeedsImage(ValueError):
+    """Tasks run only in their own image, which the run's sandbox backend (the local one) cannot use."""
+
+
+def image_need(task: Task) -> str:
+    """What a task that runs only in its image needs, in words."""
+    built = f", built from {task.build}/Dockerfile" if task.build else ""
+    return f"task {task.id!r} runs only in its image {task.image}{built}"
+
+
+def check_images(tasks: Sequence[Task], backend_name: str) -> None:
+    """Raises TaskNeedsImage, naming each task's image, where the local backend meets tasks that run
+    only in their image (Harbor tasks with a Dockerfile or docker_image)."""
+    if backend_name != "local":
+        return
+    bound = [t for t in tasks if t.needs_image]
+    if bound:
+        lines = "\n".join(f"  {image_need(t)}" for t in bound[:10])
+        more = f"\n  and {len(bound) - 10} more" if len(bound) > 10 else ""
+        raise TaskNeedsImage(
+            f"{len(bound)} task(s) need their own container image, which local sandboxes (the host's "
+            f"tools) cannot give them:\n{lines}{more}\nRun them with the Docker backend (openforge "
+            "tasks check --backend docker), or leave them out of this run."
+        )
+
+
 class Runner:
     def __init__(self, cfg: RunnerConfig, backend: SandboxBackend, harness: HarnessFactory) -> None:
         self.cfg = cfg
@@ -121,6 +135,7 @@ class Runner:
     ) -> list[RolloutResult]:
         """Run every task `samples` times; finished rollouts of an earlier run are not redone."""
         check_network(tasks, self.cfg.network)
+        check_images(tasks, self.backend.name)
         previous = self.state.load()
         results: dict[str, RolloutResult] = {}
         todo: list[tuple[Task, int]] = []
@@ -248,62 +263,24 @@ class Runner:
         return r
 
     def _spec(self, task: Task) -> SandboxSpec:
-        files: dict[str, str] = {}
-        if isinstance(task.files, Path):
-            with tempfile.TemporaryDirectory() as tmp:
-                write_files(task.files, Path(tmp))
-                for p in Path(tmp).rglob("*"):
-                    if p.is_file():
-                        files[str(p.relative_to(tmp))] = p.read_text(errors="replace")
-        else:
-            files = dict(task.files)
-        base = self.cfg.limits
-        res = task.resources
-        limits = Limits(
-            memory_bytes=int(res.memory) if res.memory else base.memory_bytes,
-            cpus=res.cpus or base.cpus,
-            pids=res.pids or base.pids,
-            wall_time_s=task.timeout + 300,
-        )
-        return SandboxSpec(
-            files=files,
-            limits=limits,
-            network=self.cfg.network,
-            gateway_url=self.cfg.gateway_url,
-            ro_binds=self.cfg.ro_binds,
-            hidden=self.cfg.hidden,
-            image=task.image,
-            labels={"task": task.id},
+        cfg = self.cfg
+        return steps.task_spec(
+            task,
+            limits=cfg.limits,
+            network=cfg.network,
+            gateway_url=cfg.gateway_url,
+            ro_binds=cfg.ro_binds,
+            hidden=cfg.hidden,
         )
 
     async def _setup(self, task: Task, sandbox: Sandbox) -> None:
-        for command in task.setup:
-            done = await sandbox.exec(command, timeout=task.timeout)
-            if not done.ok:
-                # The task's own set-up failing is an environment fault, not the policy's.
-                raise SandboxStartError(f"setup {command!r} failed ({done.exit_code}): {done.stderr[-500:]}")
+        await steps.set_up(task, sandbox)
 
     async def _verify(self, task: Task, sandbox: Sandbox, rollout_id: str = "") -> VerifierResult:
-        verifier = task.verifier
-        if isinstance(verifier, PythonVerifier):
-            # Python verifiers that declare a `gateway` parameter get it (e.g. an LLM judge).
-            cfg = self.cfg
-            gateway = GatewayAccess(cfg.gateway_url, cfg.admin_token, cfg.run_id, rollout_id, task.id)
-            with tempfile.TemporaryDirectory() as tmp:
-                await _copy_out(sandbox, Path(tmp))
-                return await asyncio.to_thread(run_python_verifier, verifier, Path(tmp), gateway)
-        assert isinstance(verifier, CommandVerifier)
-        verifier_dir = posixpath.join(sandbox.tmpdir, VERIFIER_DIR)
-        if verifier.files is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                write_files(verifier.files, Path(tmp))
-                await sandbox.put_dir(tmp, verifier_dir)
-        done = await sandbox.exec(
-            verifier.command, env=verifier_env(task.id, verifier_dir), timeout=verifier.timeout
-        )
-        if done.timed_out:
-            raise VerifierError(f"the verifier ran over its timeout of {verifier.timeout} s")
-        return parse_verifier_output(done.stdout, done.exit_code, done.stderr)
+        # Python verifiers that declare a `gateway` parameter get it (e.g. an LLM judge).
+        cfg = self.cfg
+        gateway = GatewayAccess(cfg.gateway_url, cfg.admin_token, cfg.run_id, rollout_id, task.id)
+        return await steps.verify(task, sandbox, gateway)
 
 
 def _outcome(ran: ExecResult) -> str:
@@ -312,19 +289,3 @@ def _outcome(ran: ExecResult) -> str:
     if ran.killed_by:
         return f"killed:{ran.killed_by}"
     return "ok" if ran.exit_code == 0 else "crash"
-
-
-async def _copy_out(sandbox: Sandbox, dest: Path) -> None:
-    """Copy the work dir out of the sandbox for a Python verifier: a tar file made inside, read back
-    with get_file, whose limit (hundreds of MiB) is far above an exec's output cap (1 MiB), so a
-    state with files like the GUI harness's screenshots comes out whole."""
-    archive = posixpath.join(sandbox.tmpdir, WORKDIR_TAR)  # outside the work dir, which it must not contain
-    done = await sandbox.exec(["tar", "-cf", archive, "."], timeout=120)
-    if not done.ok:
-        raise VerifierError(f"could not copy the work dir out of the sandbox: {done.stderr[-300:]}")
-    try:
-        data = await sandbox.get_file(archive)
-    except (OSError, ValueError) as exc:
-        raise VerifierError(f"could not copy the work dir out of the sandbox: {exc}") from exc
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        tar.extractall(dest, filter="data")

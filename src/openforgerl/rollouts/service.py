@@ -37,7 +37,14 @@ from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_t
 from openforgerl.harnesses.launch import HarnessChoice, python_binds
 from openforgerl.rollouts.admin import AdminClient
 from openforgerl.rollouts.results import RolloutResult, Status
-from openforgerl.rollouts.runner import OnFailure, Runner, RunnerConfig, RunNetwork, check_network
+from openforgerl.rollouts.runner import (
+    OnFailure,
+    Runner,
+    RunnerConfig,
+    RunNetwork,
+    check_images,
+    check_network,
+)
 from openforgerl.rollouts.trajectory import build_samples
 from openforgerl.sandbox import SandboxBackend
 from openforgerl.sandbox.local import LocalBackend
@@ -60,10 +67,12 @@ class RolloutJob:
     network: RunNetwork = "gateway"  # "host": the sandboxes may use the host's network (live sites)
     include_side_requests: bool = True  # titles, routers: their own samples, with the reward
 
-    def check(self, tasks: Sequence[Task]) -> None:
+    def check(self, tasks: Sequence[Task], backend: str = "local") -> None:
         """Refuse, before any model is loaded, tasks that need a network the job does not allow
-        (NetworkNotAllowed) or a harness that is not installed (HarnessNotInstalled)."""
+        (NetworkNotAllowed), their own image where `backend` cannot give it (TaskNeedsImage) or a
+        harness that is not installed (HarnessNotInstalled)."""
         check_network(tasks, self.network)
+        check_images(tasks, backend)
         self.harness.check(tasks)
 
 

@@ -5,8 +5,11 @@ sandbox is asked for (`SandboxSpec`), what its commands return (`ExecResult`, ca
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
+import os
 import posixpath
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,19 @@ class SandboxSpec:
 
     # Written at start: path (relative to the work dir, or absolute inside it, HOME or /tmp) -> content.
     files: Mapping[str, bytes | str] = field(default_factory=dict)
+    # A host folder copied into the work dir at start, before `files`: byte for byte, with its files'
+    # modes and its symlinks (which must point inside it; see `check_tree`). Streamed, never read
+    # into memory as text.
+    workspace: Path | None = None
+    # Where the work dir is inside (absolute; e.g. Harbor's /app); None: the backend's own
+    # (/workspace). The local backend needs bubblewrap for it.
+    workdir: str | None = None
+    # More empty writable dirs inside (absolute), that files can be put into and read from like the
+    # work dir: e.g. Harbor's /tests and /logs/verifier.
+    extra_dirs: Sequence[str] = ()
+    # A Docker build context (a folder with a Dockerfile) that makes `image`: the Docker backend
+    # builds it where the engine lacks the image; the other backends refuse it (see their docs).
+    build: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     # "gateway": the gateway (and nothing else) is reachable, at `Sandbox.gateway_url`.
@@ -77,6 +93,13 @@ class SandboxSpec:
         for path in self.hidden:
             if not Path(path).is_absolute():
                 raise ValueError(f"hidden needs absolute paths, not {path!r}")
+        for inside in [*([self.workdir] if self.workdir else []), *self.extra_dirs]:
+            if not posixpath.isabs(inside) or posixpath.normpath(inside) in ("/", "//"):
+                raise ValueError(f"workdir and extra_dirs need absolute paths below /, not {inside!r}")
+        if self.build is not None and not self.image:
+            raise ValueError("build needs image: the tag the build makes")
+        if self.workspace is not None and not Path(self.workspace).is_dir():
+            raise ValueError(f"workspace {self.workspace} is not a directory")
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,6 +164,28 @@ class SandboxStartError(SandboxError):
 
 class SandboxUnavailable(SandboxError):
     """The backend cannot provide what was asked on this machine (a missing tool); retrying won't help."""
+
+
+def check_tree(src: Path) -> None:
+    """Raises SandboxError where a workspace folder holds what cannot travel into a sandbox as it is:
+    a symlink that leads out of the folder (absolute, or up past its top), or something that is not
+    a file, a dir or a symlink (a FIFO, a socket, a device)."""
+    top = Path(src)
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath, name)
+            rel = path.relative_to(top).as_posix()
+            mode = path.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                target = os.readlink(path)
+                inside = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+                if posixpath.isabs(target) or inside == ".." or inside.startswith("../"):
+                    raise SandboxError(
+                        f"{path}: a symlink to {target!r}, outside the workspace {top}: "
+                        "only links that stay inside it are copied into a sandbox"
+                    )
+            elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise SandboxError(f"{path}: neither a file, a dir nor a symlink: it cannot be copied")
 
 
 class Capture:
@@ -417,6 +462,13 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def _get_file(self, path: str) -> bytes: ...
+
+    async def _put_workspace(self) -> None:
+        """The spec's workspace, copied into the work dir: what every backend's `_ready` puts in first
+        (before the spec's files)."""
+        if self.spec.workspace is not None:
+            await asyncio.to_thread(check_tree, self.spec.workspace)
+            await self._put_dir(Path(self.spec.workspace), self.workdir)
 
 
 @runtime_checkable

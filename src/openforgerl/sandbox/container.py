@@ -26,10 +26,12 @@ import math
 import os
 import posixpath
 import tarfile
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from openforgerl.sandbox import base
 
@@ -95,18 +97,27 @@ def wrap(
     return ["sh", "-c", _WRAPPER, "sh", str(seconds), str(stdin_len), cwd, *command]
 
 
-def resolve(path: str) -> str:
-    """The absolute path inside for `path`, which must lie in the work dir, HOME or /tmp."""
-    full = posixpath.normpath(posixpath.join(WORKDIR, path))
-    if not any(full == root or full.startswith(root + "/") for root in ROOTS):
-        raise ValueError(f"{path!r} is outside the sandbox's work dir, HOME and /tmp")
+def resolve(path: str, workdir: str = WORKDIR, roots: Sequence[str] = ROOTS) -> str:
+    """The absolute path inside for `path` (relative to `workdir`), which must lie in one of `roots`
+    (the work dir, HOME, /tmp and a spec's extra dirs)."""
+    full = posixpath.normpath(posixpath.join(workdir, path))
+    if not any(full == root or full.startswith(root + "/") for root in roots):
+        raise ValueError(f"{path!r} is outside the sandbox's work dir, HOME, /tmp and its extra dirs")
     return full
+
+
+def sandbox_roots(spec: base.SandboxSpec) -> tuple[str, ...]:
+    """The dirs of a container sandbox that files can be put into: its work dir (the spec's, or
+    /workspace), HOME, /tmp and the spec's extra dirs."""
+    workdir = posixpath.normpath(spec.workdir) if spec.workdir else WORKDIR
+    return (workdir, HOME, TMP, *(posixpath.normpath(d) for d in spec.extra_dirs))
 
 
 def extract_argv(dest: str) -> list[str]:
     """Unpacks a tar stream on stdin into `dest` (made first, and left out of the stream: a directory
-    entry for it would make tar chmod a mount point it does not own)."""
-    return ["sh", "-c", 'mkdir -p -- "$1" && exec tar -xf - -C "$1"', "sh", dest]
+    entry for it would make tar chmod a mount point it does not own). -o: the files become the
+    extracting user's (an image's root has no capability to give them away), modes as in the stream."""
+    return ["sh", "-c", 'mkdir -p -- "$1" && exec tar -xof - -C "$1"', "sh", dest]
 
 
 # Reads a regular file, or says why not: 2 no such file, 3 not a regular file.
@@ -127,13 +138,14 @@ def tar_file(name: str, data: bytes, mode: int) -> bytes:
     return buf.getvalue()
 
 
-def tar_files(files: Mapping[str, bytes | str]) -> dict[str, bytes]:
-    """The spec's files as one tar stream per root (work dir, HOME, /tmp), each relative to its root."""
+def tar_files(files: Mapping[str, bytes | str], roots: Sequence[str] = ROOTS) -> dict[str, bytes]:
+    """The spec's files as one tar stream per root (`roots[0]` the work dir), each relative to its root."""
     by_root: dict[str, tarfile.TarFile] = {}
     buffers: dict[str, io.BytesIO] = {}
     for path, content in files.items():
-        full = resolve(path)
-        root = next(r for r in ROOTS if full == r or full.startswith(r + "/"))
+        full = resolve(path, roots[0], roots)
+        # The innermost root that holds it (an extra dir may lie below another root).
+        root = max((r for r in roots if full == r or full.startswith(r + "/")), key=len)
         if root not in by_root:
             buffers[root] = io.BytesIO()
             by_root[root] = tarfile.open(fileobj=buffers[root], mode="w", format=tarfile.GNU_FORMAT)
@@ -144,12 +156,36 @@ def tar_files(files: Mapping[str, bytes | str]) -> dict[str, bytes]:
     return {root: buf.getvalue() for root, buf in buffers.items()}
 
 
-def tar_dir(src: str | Path) -> bytes:
-    """A host directory's contents (symlinks kept as links), relative to it."""
+# A command's stdin: bytes, or a file (a tar spooled to disk) read from its start to its end in chunks,
+# so that a large workspace never sits in memory whole.
+Stdin = bytes | BinaryIO
+CHUNK = 1 << 20
+
+
+def stdin_size(stdin: Stdin | None) -> int:
+    if stdin is None:
+        return 0
+    if isinstance(stdin, bytes):
+        return len(stdin)
+    return os.fstat(stdin.fileno()).st_size
+
+
+def stdin_chunks(stdin: Stdin, size: int = CHUNK) -> Iterator[bytes]:
+    """`stdin` in chunks of at most `size` bytes."""
+    if isinstance(stdin, bytes):
+        yield from (stdin[i : i + size] for i in range(0, len(stdin), size))
+        return
+    stdin.seek(0)
+    yield from iter(lambda: stdin.read(size), b"")
+
+
+def tar_dir(src: str | Path, out: BinaryIO | None = None) -> BinaryIO:
+    """A host directory's contents (bytes, modes, symlinks kept as links), relative to it, as a tar
+    written to `out` (default: a new temp file, on disk beyond a few MiB), which is returned."""
     src = Path(src)
     if not src.is_dir():
         raise NotADirectoryError(f"{src} is not a directory")
-    buf = io.BytesIO()
+    buf: BinaryIO = out if out is not None else tempfile.TemporaryFile()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
         for dirpath, dirnames, filenames in os.walk(src):
             for name in sorted([*dirnames, *filenames]):
@@ -162,7 +198,8 @@ def tar_dir(src: str | Path) -> bytes:
                         tar.addfile(info, f)
                 else:
                     tar.addfile(info)
-    return buf.getvalue()
+    buf.flush()
+    return buf
 
 
 def base_env(spec_env: Mapping[str, str], gateway_url: str | None) -> dict[str, str]:
@@ -217,7 +254,14 @@ class ContainerSandbox(base.Sandbox):
 
     @property
     def workdir(self) -> str:
-        return WORKDIR
+        return self._roots[0]
+
+    @property
+    def _roots(self) -> tuple[str, ...]:
+        return sandbox_roots(self.spec)
+
+    def _resolve(self, path: str) -> str:
+        return resolve(path, self.workdir, self._roots)
 
     @property
     def tmpdir(self) -> str:
@@ -229,7 +273,7 @@ class ContainerSandbox(base.Sandbox):
 
     @abc.abstractmethod
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: Stdin | None, output: base.Output, wait_s: float | None
     ) -> int:
         """Runs argv (not wrapped) through the exec API, its output into `output`, and returns its exit
         code; raises StreamLost when no exit status came back, or gives up after `wait_s`."""
@@ -243,7 +287,7 @@ class ContainerSandbox(base.Sandbox):
         return None
 
     async def _raw(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: Stdin | None, output: base.Output, wait_s: float | None
     ) -> int:
         """`_stream`, with a lost stream an infrastructure failure."""
         try:
@@ -252,13 +296,13 @@ class ContainerSandbox(base.Sandbox):
             raise base.SandboxStartError(f"sandbox {self.name}: {e}") from e
 
     async def _run(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, limit_s: float | None
+        self, argv: Sequence[str], stdin: Stdin | None, output: base.Output, limit_s: float | None
     ) -> int:
         """argv under the wrapper in the work dir, for at most `limit_s`."""
-        wrapped = wrap(argv, cwd=WORKDIR, limit_s=limit_s, stdin_len=len(stdin or b""))
+        wrapped = wrap(argv, cwd=self.workdir, limit_s=limit_s, stdin_len=stdin_size(stdin))
         return await self._raw(wrapped, stdin, output, limit_s + GRACE_S if limit_s else None)
 
-    async def _transfer(self, argv: Sequence[str], data: bytes) -> None:
+    async def _transfer(self, argv: Sequence[str], data: Stdin) -> None:
         output = base.Output()
         code = await self._run(argv, data, output, None)
         if code != 0:
@@ -274,7 +318,8 @@ class ContainerSandbox(base.Sandbox):
                 f"image {self._image} lacks {', '.join(missing) or 'a POSIX shell'}: "
                 f"a container sandbox needs {', '.join(TOOLS)}"
             )
-        for root, data in tar_files(self.spec.files).items():
+        await self._put_workspace()
+        for root, data in tar_files(self.spec.files, self._roots).items():
             await self._transfer(extract_argv(root), data)
 
     async def _exec(
@@ -300,14 +345,15 @@ class ContainerSandbox(base.Sandbox):
         return output.result(code, killed_by=killed_by, started=started, ended=time.monotonic())
 
     async def _put_file(self, path: str, data: bytes, mode: int) -> None:
-        parent, _, leaf = resolve(path).rpartition("/")
+        parent, _, leaf = self._resolve(path).rpartition("/")
         await self._transfer(extract_argv(parent or "/"), tar_file(leaf, data, mode))
 
     async def _put_dir(self, src: Path, dest: str) -> None:
-        await self._transfer(extract_argv(resolve(dest)), await asyncio.to_thread(tar_dir, src))
+        with await asyncio.to_thread(tar_dir, src) as archive:
+            await self._transfer(extract_argv(self._resolve(dest)), archive)
 
     async def _get_file(self, path: str) -> bytes:
-        full = resolve(path)
+        full = self._resolve(path)
         output = base.Output(FILE_LIMIT)
         code = await self._run([*READ_ARGV, "sh", full], None, output, 600)
         if code == 2:

@@ -10,6 +10,12 @@ forwards to the socket. Nothing else is reachable. Network "host" (tasks on live
 docker's default bridge network, not the host's namespace: the internet and what the host exposes on
 the bridge, with the gateway through the same relay (so a gateway on the host's loopback works too).
 
+A spec with its own work dir (`SandboxSpec.workdir`, Harbor's /app) gets there a fresh volume that
+Docker fills from the image (what its Dockerfile put there), runs as the image's user (Harbor's tasks
+are written for it; still without capabilities), and gets its HOME, /tmp and extra dirs (/tests,
+/logs/verifier) as tmpfs that any user may write. A spec with `build` has its image built from that
+Dockerfile first, where the engine lacks it.
+
 Commands and files go through `docker exec` with container.py's wrapper, as in the Kubernetes backend
 (tar into tmpfs cannot use docker's archive API: it writes beneath the mounts). The SDK blocks, so
 every call runs in a thread pool of the backend's own, sized for commands that run for an hour.
@@ -34,6 +40,7 @@ from typing import Any, TypeVar
 
 import docker
 import docker.errors
+import docker.types
 from docker.utils.socket import frames_iter
 
 from openforgerl.sandbox import bridge, container
@@ -83,6 +90,7 @@ class DockerBackend:
         self._client: docker.DockerClient | None = None
         # Each running command holds a thread until it ends.
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_containers * 2 + 4, "openforge-docker")
+        self._builds: dict[str, asyncio.Lock] = {}  # one build per image tag
 
     @property
     def client(self) -> docker.DockerClient:
@@ -103,6 +111,25 @@ class DockerBackend:
 
     def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
         return DockerSandbox(self, spec, name)
+
+    async def build(self, context: Path, tag: str) -> None:
+        """Builds `tag` from the Dockerfile in `context` unless the engine has it (once per tag, however
+        many sandboxes ask at once)."""
+        async with self._builds.setdefault(tag, asyncio.Lock()):
+            try:
+                await self.call(lambda: self.client.images.get(tag))
+                return
+            except docker.errors.ImageNotFound:
+                pass
+            log.info("building image %s from %s", tag, context)
+            try:
+                await self.call(lambda: self.client.images.build(path=str(context), tag=tag, rm=True))
+            except docker.errors.BuildError as e:
+                tail = "".join(str(line.get("stream", line.get("error", ""))) for line in e.build_log)
+                why = tail[-800:]
+                raise SandboxUnavailable(f"building {tag} from {context}/Dockerfile failed: {why}") from e
+            except docker.errors.APIError as e:
+                raise SandboxUnavailable(f"building {tag} from {context}/Dockerfile failed: {e}") from e
 
     def check(self) -> BackendCheck:
         available: dict[str, str] = {}
@@ -167,7 +194,11 @@ class DockerSandbox(container.ContainerSandbox):
 
     def __init__(self, backend: DockerBackend, spec: SandboxSpec, name: str) -> None:
         super().__init__(
-            spec, name, image=backend.cfg.image, isolation=backend.isolation, backend_name=backend.name
+            spec,
+            name,
+            image=spec.image or backend.cfg.image,
+            isolation=backend.isolation,
+            backend_name=backend.name,
         )
         self.backend = backend
         self._container: Any = None
@@ -183,11 +214,30 @@ class DockerSandbox(container.ContainerSandbox):
     def gateway_url(self) -> str | None:
         return self._relay_url if self._relayed else None
 
+    @property
+    def _image_user(self) -> bool:
+        """A task with its own work dir (Harbor's /app) runs as its image's user, as it was written for:
+        its work dir is a fresh volume that Docker fills from the image (what the Dockerfile put
+        there), owned as the image has it. Still no capabilities, no new privileges."""
+        return self.spec.workdir is not None
+
+    @property
+    def _user(self) -> str:
+        return "" if self._image_user else f"{container.UID}:{container.UID}"
+
     def _run_kwargs(self) -> dict[str, Any]:
         cfg, limits = self.backend.cfg, self.spec.limits
         tmpfs = (
             f"rw,exec,nosuid,nodev,size={cfg.tmpfs_size},uid={container.UID},gid={container.UID},mode=0755"
         )
+        # Dirs that any user may write (sticky, as /tmp): for an image's own user.
+        shared = f"rw,exec,nosuid,nodev,size={cfg.tmpfs_size},mode=1777"
+        workdir, *_ = roots = container.sandbox_roots(self.spec)
+        mounts: list[docker.types.Mount] = []
+        tmpfs_mounts = {root: shared if self._image_user else tmpfs for root in roots}
+        if self._image_user:
+            del tmpfs_mounts[workdir]
+            mounts.append(docker.types.Mount(target=workdir, source=None, type="volume"))
         command = list(container.IDLE)
         volumes: dict[str, dict[str, str]] = {}
         if self._relayed:
@@ -201,13 +251,14 @@ class DockerSandbox(container.ContainerSandbox):
             "command": command,
             "name": f"openforge-{self.name}",
             "detach": True,
-            "user": f"{container.UID}:{container.UID}",
-            "working_dir": container.WORKDIR,
+            "user": self._user or None,
+            "working_dir": workdir,
             "environment": container.base_env(env, self.gateway_url),
             "network_mode": "bridge" if self.spec.network == "host" else "none",
             "init": True,
             "read_only": True,
-            "tmpfs": {container.WORKDIR: tmpfs, container.HOME: tmpfs, container.TMP: tmpfs},
+            "tmpfs": tmpfs_mounts,
+            "mounts": mounts,
             "volumes": volumes,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
@@ -232,6 +283,8 @@ class DockerSandbox(container.ContainerSandbox):
 
     async def _provision(self) -> None:
         client = self.backend.client
+        if self.spec.build is not None:
+            await self.backend.build(self.spec.build, str(self.spec.image))
         if self._relayed:
             assert self._gateway is not None and self._gateway.hostname
             self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-"))
@@ -247,7 +300,8 @@ class DockerSandbox(container.ContainerSandbox):
         try:
             self._container = await self.backend.call(lambda: client.containers.run(**kwargs))
         except docker.errors.ImageNotFound as e:
-            raise SandboxUnavailable(f"image {self.backend.cfg.image} is not on the engine: {e}") from e
+            image = self.spec.image or self.backend.cfg.image
+            raise SandboxUnavailable(f"image {image} is not on the engine: {e}") from e
         except docker.errors.APIError as e:
             if e.is_server_error() or e.status_code == 409:
                 raise SandboxStartError(f"sandbox {self.name}: the engine failed: {e}") from e
@@ -266,7 +320,7 @@ class DockerSandbox(container.ContainerSandbox):
             if self._container is not None:
                 ctr = self._container
                 with contextlib.suppress(docker.errors.NotFound):
-                    await self.backend.call(lambda: ctr.remove(force=True))
+                    await self.backend.call(lambda: ctr.remove(force=True, v=True))
         except docker.errors.APIError as e:
             raise SandboxError(f"container of sandbox {self.name} left behind: {e}") from e
         finally:
@@ -275,16 +329,17 @@ class DockerSandbox(container.ContainerSandbox):
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _exec_blocking(self, argv: Sequence[str], stdin: bytes | None, output: Output) -> int:
+    def _exec_blocking(self, argv: Sequence[str], stdin: container.Stdin | None, output: Output) -> int:
         api = self.backend.client.api
-        exec_id = api.exec_create(
-            self._container.id, list(argv), stdin=stdin is not None, user=f"{container.UID}:{container.UID}"
-        )["Id"]
+        exec_id = api.exec_create(self._container.id, list(argv), stdin=stdin is not None, user=self._user)[
+            "Id"
+        ]
         sock = api.exec_start(exec_id, socket=True)
         raw = getattr(sock, "_sock", sock)
         try:
-            if stdin:
-                raw.sendall(stdin)
+            if stdin is not None:
+                for chunk in container.stdin_chunks(stdin):
+                    raw.sendall(chunk)
             with contextlib.suppress(OSError):
                 raw.shutdown(socket.SHUT_WR)
             for stream, data in frames_iter(sock, tty=False):
@@ -297,7 +352,7 @@ class DockerSandbox(container.ContainerSandbox):
         return int(code)
 
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: container.Stdin | None, output: Output, wait_s: float | None
     ) -> int:
         """Docker's exec; what breaks the stream fails the sandbox (SandboxStartError), never StreamLost."""
         try:

@@ -24,6 +24,11 @@ Failures (see `assess`): what the cluster did (image pull errors, evictions, pre
 a Pod deleted, a Pod that never became ready, API errors past the retries) raises SandboxStartError,
 which the runner retries; what the rollout did (an OOM kill, the Pod's deadline) is the exec's result,
 a policy outcome. A missing permission or an invalid configuration raises SandboxUnavailable.
+
+A spec's own work dir (Harbor's /app) and extra dirs are emptyDirs like /workspace: what the image
+holds at that path is hidden (the Docker backend keeps it), so such a task's files must come as its
+workspace. A spec whose image is built from a Dockerfile (`SandboxSpec.build`) is refused: a cluster
+pulls images, it does not build them.
 """
 
 from __future__ import annotations
@@ -224,15 +229,18 @@ def pod_manifest(
     inside = (cfg.gateway_url or spec.gateway_url) if spec.network != "none" else None
     env = container.base_env(rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
     size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
+    workdir, home, tmp, *extra = container.sandbox_roots(spec)
     volumes: list[dict[str, Any]] = [
         {"name": "workspace", "emptyDir": dict(size)},
         {"name": "home", "emptyDir": dict(size)},
         {"name": "tmp", "emptyDir": dict(size)},
+        *({"name": f"extra-{i}", "emptyDir": dict(size)} for i in range(len(extra))),
     ]
     mounts: list[dict[str, Any]] = [
-        {"name": "workspace", "mountPath": container.WORKDIR},
-        {"name": "home", "mountPath": container.HOME},
-        {"name": "tmp", "mountPath": container.TMP},
+        {"name": "workspace", "mountPath": workdir},
+        {"name": "home", "mountPath": home},
+        {"name": "tmp", "mountPath": tmp},
+        *({"name": f"extra-{i}", "mountPath": path} for i, path in enumerate(extra)),
     ]
     if cfg.harness_claim:
         volumes.append(
@@ -260,7 +268,7 @@ def pod_manifest(
                 "image": spec.image or cfg.image,
                 "imagePullPolicy": cfg.image_pull_policy,
                 "command": container.IDLE,
-                "workingDir": container.WORKDIR,
+                "workingDir": workdir,
                 "env": [{"name": k, "value": v} for k, v in env.items()],
                 "resources": {"requests": dict(resources), "limits": dict(resources)},
                 "securityContext": {
@@ -535,6 +543,12 @@ class KubernetesBackend:
     def create(self, spec: SandboxSpec, name: str) -> KubernetesSandbox:
         if spec.network != "none" and not (self.cfg.gateway_url or spec.gateway_url):
             raise ValueError(f"network={spec.network!r} needs the gateway's URL as Pods reach it")
+        if spec.build is not None:
+            raise SandboxUnavailable(
+                f"sandbox {name}: its image {spec.image} is made from {spec.build}/Dockerfile, which a "
+                "cluster cannot build: build and push it, and name it as the task's image "
+                "(Harbor: [environment] docker_image)"
+            )
         if spec.ro_binds:
             # A Pod sees its image, not this host: the harness must be in the image (or the cache volume).
             log.debug("sandbox %s: ro_binds are not mounted into Pods", name)
@@ -744,7 +758,7 @@ class KubernetesSandbox(container.ContainerSandbox):
     # -- exec ------------------------------------------------------------------------------------
 
     async def _stream(
-        self, argv: Sequence[str], stdin: bytes | None, output: base.Output, wait_s: float | None
+        self, argv: Sequence[str], stdin: container.Stdin | None, output: base.Output, wait_s: float | None
     ) -> int:
         """Runs argv through the exec API; raises StreamLost when no exit status came back."""
         session = self._session
@@ -775,8 +789,8 @@ class KubernetesSandbox(container.ContainerSandbox):
         try:
             async with asyncio.timeout(wait_s):
                 if stdin is not None:
-                    for i in range(0, len(stdin), _CHUNK):
-                        await ws.send_bytes(bytes([_STDIN]) + stdin[i : i + _CHUNK])
+                    for chunk in container.stdin_chunks(stdin, _CHUNK):
+                        await ws.send_bytes(bytes([_STDIN]) + chunk)
                     await ws.send_bytes(bytes([_CLOSE, _STDIN]))
                 async for msg in ws:
                     if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):

@@ -19,6 +19,10 @@ end forwards to the gateway; nothing else is reachable. With network "host" (for
 sites) the command shares the host's network namespace: it reaches the internet, the gateway at its
 host URL, and whatever else listens on the host, its loopback included; the other namespaces stay.
 
+A spec's own work dir (`SandboxSpec.workdir`, Harbor's /app) is where bwrap binds the sandbox's work
+dir, and each of its extra dirs (/tests, /logs/verifier) is a dir of the sandbox's own bound there;
+without bwrap such a spec is refused (SandboxUnavailable), as the host has no /app to give.
+
 Limits: a cgroup v1 per sandbox (memory, cpu, pids) that every exec joins before it starts, which also
 tells OOM kills and pids-limit hits apart; rlimits through `prlimit` where cgroups are not writable.
 
@@ -591,6 +595,13 @@ class LocalBackend:
             src = bind if isinstance(bind, str) else bind[0]
             if not os.path.exists(src):
                 raise ValueError(f"ro_binds: {src} does not exist")
+        if not self.bwrap and (spec.workdir or spec.extra_dirs):
+            wanted = ", ".join(p for p in (spec.workdir, *spec.extra_dirs) if p)
+            raise SandboxUnavailable(
+                f"sandbox {name} needs {wanted} inside it, which the local backend makes only with "
+                f"bubblewrap ({self._missing.get('bwrap', 'disabled')}): install the Debian package "
+                "bubblewrap, or use the Docker backend"
+            )
         if not self.bwrap:
             log.warning(
                 "sandbox %s runs WITHOUT ISOLATION (no bwrap): it can read the host's files%s",
@@ -633,11 +644,16 @@ class LocalSandbox(Sandbox):
     def _roots(self) -> dict[str, Path]:
         """Inside path -> host dir, for the dirs that files can be put into and read from."""
         host = self._host
-        return {self.workdir: host("work"), self._home: host("home"), self.tmpdir: host("tmp")}
+        roots = {self.workdir: host("work"), self._home: host("home"), self.tmpdir: host("tmp")}
+        for i, inside in enumerate(self.spec.extra_dirs):
+            roots[posixpath.normpath(inside)] = host(f"extra/{i}")
+        return roots
 
     @property
     def workdir(self) -> str:
-        return INSIDE_WORKDIR if self._isolated else str(self._host("work"))
+        if not self._isolated:
+            return str(self._host("work"))
+        return posixpath.normpath(self.spec.workdir) if self.spec.workdir else INSIDE_WORKDIR
 
     @property
     def tmpdir(self) -> str:
@@ -686,14 +702,18 @@ class LocalSandbox(Sandbox):
     async def _provision(self) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-", dir=self.backend.state_dir))
         owner = self._owner
-        for sub in ("work", "home", "tmp", "run"):
+        extra = [f"extra/{i}" for i in range(len(self.spec.extra_dirs))]
+        for sub in ("work", "home", "tmp", "run", *(["extra"] if extra else []), *extra):
             (self._dir / sub).mkdir()
         if owner is not None:
             # The sandbox's uid may pass through its dir (the group's x bit), not list it; what it
             # writes is its own, the rest (run: passwd, the bridge) stays root's and read-only.
             os.chown(self._dir, -1, owner[1])
             os.chmod(self._dir, 0o710)
-            for sub in ("work", "home", "tmp"):
+            if extra:
+                os.chown(self._dir / "extra", -1, owner[1])
+                os.chmod(self._dir / "extra", 0o710)
+            for sub in ("work", "home", "tmp", *extra):
                 os.chown(self._dir / sub, *owner)
                 os.chmod(self._dir / sub, 0o700)
             os.chmod(self._dir / "run", 0o755)
@@ -719,6 +739,7 @@ class LocalSandbox(Sandbox):
                 os.chmod(sock, 0o600)
 
     async def _ready(self) -> None:
+        await self._put_workspace()
         for path, data in self.spec.files.items():
             await self.put_file(path, data)
         probe = await self.exec(["true"], timeout=60)
@@ -904,8 +925,10 @@ class LocalSandbox(Sandbox):
             # After --unshare-all: keeps the host's network namespace (and only that).
             args.append("--share-net")
             args += _resolver_binds()
-        args += ["--proc", "/proc", "--dev", "/dev", "--bind", f"{top}/work", INSIDE_WORKDIR]
+        args += ["--proc", "/proc", "--dev", "/dev", "--bind", f"{top}/work", self.workdir]
         args += ["--bind", f"{top}/home", INSIDE_HOME, "--bind", f"{top}/tmp", "/tmp"]
+        for i, inside in enumerate(self.spec.extra_dirs):  # e.g. Harbor's /tests and /logs/verifier
+            args += ["--bind", f"{top}/extra/{i}", posixpath.normpath(inside)]
         # After /tmp and HOME: a bind below them (a venv checked out under /tmp) must stay visible.
         args += self._mounts
         args += ["--ro-bind", f"{top}/run", INSIDE_RUN, "--remount-ro", "/", "--chdir", cwd, "--"]

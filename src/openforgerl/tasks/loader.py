@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from openforgerl.tasks.files import TaskError, jsonl_records
+from openforgerl.tasks.harbor import load_harbor, task_folders
 from openforgerl.tasks.schema import Split, Task
 from openforgerl.tasks.suites import CLAW_BASIC_DIR, tools_tiny
 from openforgerl.tasks.webbench import FORMATS as BENCHMARK_FORMATS
@@ -87,16 +88,22 @@ def suite_names() -> list[str]:
     return sorted(_SUITES)
 
 
+# FORMAT:PATH of task sets in another layout: a public benchmark's own file (tasks.webbench), or a
+# folder of Harbor / Terminal-Bench 1 task folders (tasks.harbor).
+FORMATS = {**BENCHMARK_FORMATS, "harbor": load_harbor, "terminal-bench": load_harbor}
+
+
 def _benchmark(spec: str) -> list[Task] | None:
-    """`webvoyager:PATH`, `online-mind2web:PATH`: a public benchmark's own task file (tasks.webbench)."""
+    """`webvoyager:PATH`, `online-mind2web:PATH`, `harbor:DIR`, `terminal-bench:DIR`."""
     prefix, colon, path = spec.partition(":")
-    load = BENCHMARK_FORMATS.get(prefix) if colon else None
+    load = FORMATS.get(prefix) if colon else None
     return load(path) if load is not None else None
 
 
 def load_tasks(path_or_suite_name: str | Path, split: Split | None = None) -> list[Task]:
-    """Tasks of a built-in suite (by name), a task file, every task file directly in a folder, or a
-    public benchmark's file (`webvoyager:PATH`, `online-mind2web:PATH`).
+    """Tasks of a built-in suite (by name), a task file, every task file directly in a folder, a
+    public benchmark's file (`webvoyager:PATH`, `online-mind2web:PATH`), or Harbor task folders
+    (`harbor:DIR`, or a DIR without task files whose folders hold task.toml; tasks.harbor).
 
     A folder is not searched recursively: task folders hold the tasks' own files, which may be
     YAML too. Ids must be unique across everything loaded.
@@ -109,15 +116,21 @@ def load_tasks(path_or_suite_name: str | Path, split: Split | None = None) -> li
         path = Path(path_or_suite_name)
         if path.is_dir():
             files = sorted(p for p in path.iterdir() if p.suffix in TASK_FILE_SUFFIXES and p.is_file())
+            if not files and task_folders(path):  # Harbor's layout: a folder per task
+                tasks = load_harbor(path)
+                return tasks if split is None else [t for t in tasks if t.split == split]
             if not files:
-                raise TaskError(f"{path}: no task files ({', '.join(TASK_FILE_SUFFIXES)}) in this folder")
+                raise TaskError(
+                    f"{path}: no task files ({', '.join(TASK_FILE_SUFFIXES)}) in this folder, nor Harbor "
+                    "task folders (with task.toml)"
+                )
         elif path.is_file():
             files = [path]
         else:
             raise TaskError(
                 f"{path_or_suite_name}: neither a task file, a folder, nor a suite "
                 f"(built-in suites: {', '.join(suite_names())}), nor FORMAT:PATH of a benchmark's own "
-                "file (webvoyager, online-mind2web)"
+                "file (webvoyager, online-mind2web) or of task folders (harbor, terminal-bench)"
             )
         loaded = [(f, t) for f in files for t in load_task_file(f)]
         _check_unique(loaded)

@@ -17,8 +17,9 @@ Fields
     ``train``, ``heldout`` or ``test``. Required on purpose: a default would silently put evaluation
     tasks into training.
 ``files``
-    The initial work directory: a folder path (relative to the task file) copied as-is, or inline
-    ``{relative path: text content}``. Default: empty.
+    The initial work directory: a folder path (relative to the task file) copied byte for byte, with
+    its files' modes and its symlinks (which must point inside it), or inline ``{relative path: text
+    content}``. Default: empty.
 ``setup``
     Shell commands run with ``sh -c`` in the work directory, in order, before the harness starts.
 ``harness``, ``harness_options``
@@ -32,7 +33,12 @@ Fields
         or a timeout is a verifier error, never a policy failure. ``files`` (a folder or inline,
         like the task's) are put outside the work directory only after the harness finished, so the
         agent never sees them. The command's environment has ``OPENFORGE_TASK_ID`` and
-        ``OPENFORGE_VERIFIER_DIR`` (where ``files`` were put).
+        ``OPENFORGE_VERIFIER_DIR`` (where ``files`` were put), and ``env``. ``at``: an absolute
+        dir inside where ``files`` go instead (Harbor's ``/tests``). ``reward_files``: absolute
+        paths inside (Harbor's ``/logs/verifier/reward.txt`` and ``reward.json``); the first one
+        the command wrote gives the reward, its exit status does not count then: a ``.json`` file
+        holds ``{"reward": x, ...details}`` (or one number under any name), any other holds a number.
+        No reward file written is a verifier error.
     ``{python: "package.module:function", kwargs: {...}}``
         called in the runner's process as ``function(workdir: Path, **kwargs)`` on the final work
         directory (copied out of the sandbox); it returns a reward (float or bool) or a mapping
@@ -40,6 +46,14 @@ Fields
         in a command verifier, inside the sandbox. A function with a ``gateway`` parameter also gets
         the gateway's URL, admin token and the scored rollout (``tasks.verify.GatewayAccess``), e.g.
         to ask an LLM judge through an upstream (``openforgerl.web.judge:judge``).
+``solution``
+    The reference solution, ``{command: ..., files: ..., at: ..., env: {...}, timeout: 600}``: the
+    command runs with ``sh -c`` in the work directory; ``files`` (a folder or inline) are put at
+    ``at`` (an absolute dir inside; default: outside the work directory, in
+    ``OPENFORGE_SOLUTION_DIR``). ``openforge tasks check`` runs it; the runner never does.
+``workdir``
+    Where the work directory is inside the sandbox (absolute; Harbor's ``/app``). Default: the
+    backend's own (``/workspace``). The local backend needs bubblewrap for it.
 ``timeout``
     Seconds the harness may run (default 600).
 ``resources``
@@ -47,6 +61,15 @@ Fields
     size with a unit: ``512MiB``/``512Mi`` (binary), ``1GB``/``1G`` (decimal, as in Kubernetes).
 ``image``
     The container image for container backends (the environment; harness adapters install on top).
+``build``
+    A folder with a Dockerfile that makes ``image`` (the Docker backend builds it where missing).
+``needs_image``
+    The task runs only in its image (Harbor tasks with a Dockerfile or ``docker_image``): the local
+    backend refuses it, naming the image. Default false: the image is optional, and the local backend
+    runs the task with the host's tools.
+``offline``
+    The task's sandbox reaches the gateway and nothing else, even in a run with the host's network
+    (Harbor's ``allow_internet = false``). Default false: the run's network decides.
 ``faults``
     Transient faults of the environment (`openforgerl.faults`), the same on every run of the task:
     ``{tool: read_file, match: b.txt, error: "b.txt: Resource temporarily unavailable"}`` (a
@@ -79,6 +102,8 @@ from pydantic import (
     model_validator,
 )
 
+from openforgerl.sandbox.base import SandboxError, check_tree
+
 Split = Literal["train", "heldout", "test"]
 
 
@@ -109,6 +134,10 @@ def _resolve_files(value: Any, info: ValidationInfo) -> Any:
         folder = (base / value).resolve()
         if not folder.is_dir():
             raise ValueError(f"files folder {str(value)!r} is not a directory (looked at {folder})")
+        try:  # what cannot travel into a sandbox byte for byte is refused here, not mid-run
+            check_tree(folder)
+        except SandboxError as exc:
+            raise ValueError(str(exc)) from None
         return folder
     return value
 
@@ -120,10 +149,34 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _check_inside_path(value: str | None) -> str | None:
+    bad = value is not None and (
+        not value.startswith("/") or not value.strip("/") or ".." in value.split("/")
+    )
+    if bad:
+        raise ValueError(f"{value!r} must be an absolute path below / (no '..')")
+    return value
+
+
 class CommandVerifier(_Model):
     command: str = Field(min_length=1)
     files: Files | None = None
     timeout: PositiveFloat = 120.0
+    at: str | None = None
+    reward_files: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("at")
+    @classmethod
+    def check_at(cls, value: str | None) -> str | None:
+        return _check_inside_path(value)
+
+    @field_validator("reward_files")
+    @classmethod
+    def check_reward_files(cls, value: list[str]) -> list[str]:
+        for path in value:
+            _check_inside_path(path)
+        return value
 
     @field_validator("files", mode="before")
     @classmethod
@@ -152,6 +205,26 @@ Verifier = Annotated[
         custom_error_message="a verifier is {command: ..., files: ...} or {python: 'module:function'}",
     ),
 ]
+
+
+class Solution(_Model):
+    """A task's reference solution (see ``solution`` above)."""
+
+    command: str = Field(min_length=1)
+    files: Files | None = None
+    at: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout: PositiveFloat = 600.0
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
+        return _resolve_files(value, info)
+
+    @field_validator("at")
+    @classmethod
+    def check_at(cls, value: str | None) -> str | None:
+        return _check_inside_path(value)
 
 
 class Resources(_Model):
@@ -191,6 +264,11 @@ class Task(_Model):
     timeout: PositiveFloat = 600.0
     resources: Resources = Field(default_factory=Resources)
     image: str | None = None
+    build: Path | None = None
+    needs_image: bool = False
+    offline: bool = False
+    workdir: str | None = None
+    solution: Solution | None = None
     faults: list[Fault] = Field(default_factory=list)
     tags: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -199,3 +277,39 @@ class Task(_Model):
     @classmethod
     def resolve_files(cls, value: Any, info: ValidationInfo) -> Any:
         return _resolve_files(value, info)
+
+    @field_validator("build", mode="before")
+    @classmethod
+    def resolve_build(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str | Path):
+            folder = (Path((info.context or {}).get("base_dir", ".")) / value).resolve()
+            if not (folder / "Dockerfile").is_file():
+                raise ValueError(f"build folder {str(value)!r} has no Dockerfile (looked in {folder})")
+            return folder
+        return value
+
+    @field_validator("workdir")
+    @classmethod
+    def check_workdir(cls, value: str | None) -> str | None:
+        return _check_inside_path(value)
+
+    @model_validator(mode="after")
+    def image_for_build(self) -> Task:
+        if self.build is not None and not self.image:
+            raise ValueError("build needs image: the tag the build makes")
+        if self.needs_image and not self.image:
+            raise ValueError("needs_image needs image")
+        return self
+
+    def inside_dirs(self) -> list[str]:
+        """The dirs besides the work dir that the task's verifier and solution use inside the sandbox
+        (Harbor's /tests, /logs/verifier, /solution): its sandboxes make them."""
+        dirs: list[str] = []
+        verifier = self.verifier
+        if isinstance(verifier, CommandVerifier):
+            dirs += [verifier.at] if verifier.at else []
+            dirs += [str(PurePosixPath(p).parent) for p in verifier.reward_files]
+        if self.solution is not None and self.solution.at:
+            dirs.append(self.solution.at)
+        unique = sorted({str(PurePosixPath(d)) for d in dirs} - {"/"})
+        return [d for d in unique if d != self.workdir]

@@ -95,11 +95,34 @@ def parse_verifier_output(stdout: str, exit_code: int, stderr: str = "") -> Veri
     return VerifierResult(1.0 if exit_code == 0 else 0.0, {"exit_code": exit_code})
 
 
+def reward_from_file(path: str, data: bytes) -> VerifierResult:
+    """The reward a verifier wrote to a file (Harbor's reward.txt or reward.json): JSON for a `.json`
+    file (`{"reward": x, ...}`, or a mapping with one number), a number for any other."""
+    text = data.decode("utf-8", errors="replace").strip()
+    if path.endswith(".json"):
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise VerifierError(f"{path} is not valid JSON: {text[:200]!r}") from exc
+        if isinstance(value, Mapping) and "reward" not in value and len(value) == 1:
+            (name, number), *_ = value.items()
+            value = {"reward": number, "metric": name}
+        result = reward_from_value(value)
+    else:
+        try:
+            number = float(text)
+        except ValueError as exc:
+            raise VerifierError(f"{path} should hold a number, not {text[:200]!r}") from exc
+        result = reward_from_value(number)
+    return VerifierResult(result.reward, {**result.details, "reward_file": path})
+
+
 def write_files(files: Files, dest: Path) -> None:
     """Put a task's (or verifier's) files into `dest`: a folder is copied, inline files are written."""
     dest.mkdir(parents=True, exist_ok=True)
     if isinstance(files, Path):
-        shutil.copytree(files, dest, dirs_exist_ok=True)
+        # symlinks=True: a link stays a link (the workspace's own, byte for byte), never its target.
+        shutil.copytree(files, dest, symlinks=True, dirs_exist_ok=True)
         return
     for rel, content in files.items():
         target = dest / rel
@@ -161,7 +184,7 @@ def _run_command_verifier(task_id: str, verifier: CommandVerifier, workdir: Path
             done = subprocess.run(
                 ["sh", "-c", verifier.command],
                 cwd=workdir,
-                env={**os.environ, **verifier_env(task_id, verifier_dir)},
+                env={**os.environ, **verifier.env, **verifier_env(task_id, verifier_dir)},
                 capture_output=True,
                 text=True,
                 timeout=verifier.timeout,
@@ -175,4 +198,10 @@ def verify_local(task: Task, workdir: Path) -> VerifierResult:
     """Run the task's verifier on `workdir` (a plain subprocess: no isolation from this machine)."""
     if isinstance(task.verifier, PythonVerifier):
         return run_python_verifier(task.verifier, workdir)
+    if task.verifier.at or task.verifier.reward_files or task.workdir:
+        raise VerifierError(
+            f"task {task.id!r}: its verifier uses fixed paths inside a sandbox ({task.workdir or ''} "
+            f"{task.verifier.at or ''} {' '.join(task.verifier.reward_files)}): run it in one "
+            "(openforge tasks check)"
+        )
     return _run_command_verifier(task.id, task.verifier, workdir)

@@ -1,0 +1,2 @@
+#!/bin/bash
+awk '$3 == "ERROR"' /app/app.log | wc -l > /app/errors.txt

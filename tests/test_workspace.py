@@ -1,0 +1,169 @@
+"""Byte-exact workspaces (#26): a task's folder arrives in the sandbox byte for byte, with its files'
+modes and its symlinks, and comes back so to its verifier (a command one in place, a Python one as a
+copy). Local sandboxes with and without bubblewrap here; the Docker backend in test_docker.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tarfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from openforgerl.rollouts import steps
+from openforgerl.rollouts.check import tree_digest
+from openforgerl.sandbox import Limits, SandboxError, SandboxSpec, SandboxUnavailable
+from openforgerl.sandbox.container import stdin_chunks, stdin_size, tar_dir
+from openforgerl.sandbox.local import LocalBackend
+from openforgerl.tasks import CommandVerifier, PythonVerifier, Task, TaskError, load_task_file
+
+LIMITS = Limits(memory_bytes=512 << 20, cpus=1.0, pids=128, wall_time_s=60)
+UTF16 = "name,city\nJürgen,Köln\n".encode("utf-16")  # with its byte-order mark
+# Looks like gzip (its magic number) but is not: any "repair" on the way would change it.
+BINARY = b"\x1f\x8b\x08\x00" + bytes(range(256)) + b"\xff\xfe\x00\r\n\x80"
+SCRIPT = b"#!/bin/sh\necho run\n"
+
+
+def make_workspace(top: Path) -> Path:
+    """A folder holding what real workspaces hold: another encoding, a binary, an executable, links."""
+    top.mkdir()
+    (top / "data.csv").write_bytes(UTF16)
+    (top / "blob.gz").write_bytes(BINARY)
+    (top / "run.sh").write_bytes(SCRIPT)
+    (top / "run.sh").chmod(0o755)
+    (top / "private.txt").write_bytes(b"only mine\n")
+    (top / "private.txt").chmod(0o600)
+    (top / "sub" / "deeper").mkdir(parents=True)
+    (top / "sub" / "deeper" / "note.txt").write_bytes(b"no newline at the end")
+    os.symlink("data.csv", top / "latest.csv")
+    os.symlink("../../blob.gz", top / "sub" / "deeper" / "blob-link")
+    return top
+
+
+# What a command verifier checks inside: every byte (against digests taken here), modes and links.
+def inside_check(top: Path) -> str:
+    digest = tree_digest(top)
+    checks = []
+    for rel, what in sorted(digest.items()):
+        if what.startswith("link "):
+            checks.append(f'[ "$(readlink {rel})" = "{what[5:]}" ]')
+        elif what != "dir":
+            mode, sha = what.split()
+            checks.append(f'[ "$(stat -c %a {rel})" = "{mode}" ]')
+            checks.append(f'[ "$(sha256sum < {rel} | cut -d" " -f1)" = "{sha}" ]')
+    return " && ".join(checks)
+
+
+def same_tree(workdir: Path, expected: dict[str, str]) -> dict[str, Any]:
+    """A Python verifier: reward 1 when the copy it was given equals the workspace, link for link."""
+    got = tree_digest(workdir)
+    differ = sorted(p for p in got.keys() | expected.keys() if got.get(p) != expected.get(p))
+    return {"reward": float(not differ), "differ": differ}
+
+
+@pytest.fixture(scope="module")
+def bwrap() -> LocalBackend:
+    try:
+        return LocalBackend(bwrap=True)
+    except SandboxUnavailable as e:
+        pytest.skip(f"bubblewrap unusable here ({e})")
+
+
+@pytest.fixture(scope="module", params=["bwrap", "plain"])
+def local(request: pytest.FixtureRequest) -> LocalBackend:
+    if request.param == "plain":
+        return LocalBackend(bwrap=False)
+    return request.getfixturevalue("bwrap")  # type: ignore[no-any-return]
+
+
+def task_with(workspace: Path, verifier: Any, workdir: str | None = None) -> Task:
+    return Task(
+        id="bytes",
+        instruction="nothing to do",
+        split="test",
+        files=workspace,
+        verifier=verifier,
+        workdir=workdir,
+    )
+
+
+async def verify_in_sandbox(backend: Any, task: Task) -> float:
+    spec = steps.task_spec(task, limits=LIMITS, network="none", gateway_url=None)
+    async with backend.create(spec, f"ws-{uuid.uuid4().hex[:12]}") as sandbox:
+        return (await steps.verify(task, sandbox)).reward
+
+
+def test_the_workspace_arrives_and_comes_back_byte_exact(local: LocalBackend, tmp_path: Path) -> None:
+    top = make_workspace(tmp_path / "ws")
+    expected = tree_digest(top)
+    assert expected["data.csv"].startswith("644 ") and expected["run.sh"].startswith("755 ")
+    command = CommandVerifier(command=inside_check(top))
+    python = PythonVerifier(python="tests.test_workspace:same_tree", kwargs={"expected": expected})
+    assert asyncio.run(verify_in_sandbox(local, task_with(top, command))) == 1.0
+    assert asyncio.run(verify_in_sandbox(local, task_with(top, python))) == 1.0
+
+
+def test_the_checks_can_fail(local: LocalBackend, tmp_path: Path) -> None:
+    """The same verifiers score a workspace that differs by one byte, one mode or one link 0."""
+    top = make_workspace(tmp_path / "ws")
+    command = CommandVerifier(command=inside_check(top))
+    expected = tree_digest(top)
+    python = PythonVerifier(python="tests.test_workspace:same_tree", kwargs={"expected": expected})
+    changed = make_workspace(tmp_path / "changed")
+    (changed / "data.csv").write_bytes(UTF16[2:])  # the byte-order mark lost, as text handling did
+    assert asyncio.run(verify_in_sandbox(local, task_with(changed, command))) == 0.0
+    assert asyncio.run(verify_in_sandbox(local, task_with(changed, python))) == 0.0
+    (changed / "data.csv").write_bytes(UTF16)
+    (changed / "run.sh").chmod(0o644)
+    assert asyncio.run(verify_in_sandbox(local, task_with(changed, command))) == 0.0
+
+
+def test_a_workdir_of_the_tasks_own(bwrap: LocalBackend, tmp_path: Path) -> None:
+    """Harbor's /app: the workspace is there, and absolute paths into it work."""
+    top = make_workspace(tmp_path / "ws")
+    check = '[ "$(pwd)" = /app ] && cmp /app/blob.gz blob.gz && [ -x /app/run.sh ]'
+    verifier = CommandVerifier(command=check)
+    assert asyncio.run(verify_in_sandbox(bwrap, task_with(top, verifier, workdir="/app"))) == 1.0
+
+
+def test_without_bubblewrap_a_workdir_of_its_own_is_refused(tmp_path: Path) -> None:
+    spec = SandboxSpec(workdir="/app", extra_dirs=["/tests"])
+    with pytest.raises(SandboxUnavailable, match=r"/app, /tests .*bubblewrap"):
+        LocalBackend(bwrap=False).create(spec, "no-app")
+
+
+def test_links_that_leave_the_workspace_are_refused(tmp_path: Path) -> None:
+    top = make_workspace(tmp_path / "ws")
+    os.symlink("/etc/passwd", top / "escape")
+    (tmp_path / "tasks.yaml").write_text(
+        "id: t\ninstruction: x\nsplit: test\nfiles: ws\nverifier: {command: 'true'}\n"
+    )
+    with pytest.raises(TaskError, match=r"escape: a symlink to '/etc/passwd', outside the workspace"):
+        load_task_file(tmp_path / "tasks.yaml")
+    os.unlink(top / "escape")
+    os.symlink("../../outside", top / "sub" / "up")
+    with pytest.raises(TaskError, match=r"sub/up: a symlink to '../../outside'"):
+        load_task_file(tmp_path / "tasks.yaml")
+    # Made after the task was loaded, it is refused when the sandbox starts.
+    os.unlink(top / "sub" / "up")
+    task = load_task_file(tmp_path / "tasks.yaml")[0]
+    os.symlink("/", top / "root")
+    with pytest.raises(SandboxError, match="outside the workspace"):
+        asyncio.run(verify_in_sandbox(LocalBackend(bwrap=False), task))
+
+
+def test_the_container_carrier_keeps_bytes_modes_and_links(tmp_path: Path) -> None:
+    """Docker and Kubernetes get the workspace as one tar stream (tar_dir, spooled to a file and sent
+    in chunks, never whole in memory): unpacked, it is the same."""
+    top = make_workspace(tmp_path / "ws")
+    with tar_dir(top) as archive:
+        size = stdin_size(archive)
+        (tmp_path / "ws.tar").write_bytes(b"".join(stdin_chunks(archive, 1000)))
+    assert size == (tmp_path / "ws.tar").stat().st_size > 10_000
+    with tarfile.open(tmp_path / "ws.tar") as tar:
+        assert {m.name for m in tar.getmembers() if m.issym()} == {"latest.csv", "sub/deeper/blob-link"}
+        tar.extractall(tmp_path / "out", filter="fully_trusted")
+    assert tree_digest(tmp_path / "out") == tree_digest(top)
