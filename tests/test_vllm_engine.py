@@ -224,7 +224,7 @@ def test_server_down_and_start_timeout() -> None:
         try:
             with pytest.raises(EngineUnavailable, match="not healthy within 1 s"):
                 await eng.start()
-            with pytest.raises(EngineUnavailable, match="ConnectError"):
+            with pytest.raises(EngineUnavailable, match="ClientConnectorError"):
                 await eng.generate([1], SamplingParams())
         finally:
             await eng.close()
