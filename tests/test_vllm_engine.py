@@ -170,7 +170,8 @@ def test_request_body_and_result_mapping() -> None:
         sampling = SamplingParams(0.7, 0.9, 500, ("\n\n",), (7,), 3)
         return await eng.generate([1, 2, 3], sampling)
 
-    result, mock = mocked({"/v1/completions": choice([5, 6, 7], "stop", 7)}, go)
+    result, mock = mocked({"/v1/completions": choice([5, 6, 7], "stop", 7)}, go, api_key="k")
+    assert {r.headers.get("Authorization") for r in mock.seen} == {"Bearer k"}
     sent = json.loads(mock.seen[-1].content)
     assert sent == {
         "model": "tiny",  # discovered from /v1/models

@@ -31,6 +31,13 @@ beside `input_ids`, whose image placeholders the gateway already expanded; SGLan
 matches each expanded vision_start / pad run / vision_end with the next image. Only the wire format is
 tested here (against the fake server); not yet tried against a real SGLang.
 
+Streaming (`generate(..., on_tokens=...)` sends `"stream": true`): SSE events in the answer's own
+shape, `finish_reason` null until the last one. By default SGLang resends everything so far in each
+event (`output_ids`, `output_token_logprobs`: quadratic bytes over a long generation; start the server
+with `--incremental-streaming-output` to get only the new part); `GenerateStream` takes either and
+gives the same GenerateResult as the plain answer. Checked against SGLang's source
+(tokenizer_manager's output processing), tested against the fake only.
+
 Weight updates use `POST /update_weights_from_disk {"model_path": ...}`; SGLang flushes its radix
 cache itself after the update.
 

@@ -14,6 +14,13 @@ the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests
   and `include_stop_str_in_output` keeps the stop string in it); `stop_reason` is the string.
 - Closing the HTTP connection aborts the request in vLLM (it watches for the client's disconnect), so
   cancelling the task awaiting `generate` frees the server's slot at once.
+- Streaming (`generate(..., on_tokens=...)` sends `"stream": true`): one SSE event per engine step,
+  `choices[0].token_ids` holding that step's new ids with their `logprobs.token_logprobs`,
+  `finish_reason` / `stop_reason` null until the last event (the first event also echoes
+  `prompt_token_ids`), then `data: [DONE]`; a failure mid-generation is an event
+  {"error": {..., "code": 500}}. The ids, logprobs and reasons gathered from the events equal the
+  plain answer's (tests/test_vllm_engine.py generates every finish reason both ways); `CompletionStream`
+  folds them into the same GenerateResult.
 - Logprobs follow the server's `--logprobs-mode`. The default `raw_logprobs` is the model's own
   distribution whatever the temperature; `processed_logprobs` is of logits / temperature after top-k /
   top-p truncation. Start vLLM with `--logprobs-mode processed_logprobs` to get GenerateResult's
