@@ -370,6 +370,20 @@ def test_cancellation_aborts_the_server_side_generation() -> None:
     assert isinstance(elapsed, float) and elapsed < 5
 
 
+# The sessions of the finished loops are dropped unclosed (they cannot be closed from another loop).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_engine_used_from_two_event_loops() -> None:
+    """The session belongs to the loop it was made on; another loop (a push from a fresh
+    asyncio.run) gets its own."""
+    with fake_server(ScriptedEngine(completion=[5, 6])) as s:
+        eng = SGLangEngine(s.url, start_timeout=5.0)
+        asyncio.run(eng.start())
+        first = asyncio.run(eng.generate([1], SamplingParams()))
+        second = asyncio.run(eng.generate([1], SamplingParams(), on_tokens=lambda t: None))
+        asyncio.run(eng.close())
+    assert first.completion_ids == second.completion_ids == [5, 6]
+
+
 def test_concurrent_requests_get_their_own_answers() -> None:
     scripted = ScriptedEngine(script=lambda req: [t * 10 for t in req.prompt_ids], latency_s=0.05)
     with fake_server(scripted) as s:

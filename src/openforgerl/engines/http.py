@@ -184,6 +184,7 @@ class HTTPEngine:
         self._given_client = client
         # Made on first use: an aiohttp session belongs to the event loop it was made on.
         self._client: aiohttp.ClientSession | None = client
+        self._client_loop: asyncio.AbstractEventLoop | None = None
         self._version = policy_version
         self._reloading = 0  # updates in flight: a generation overlapping one is marked in `extra`
         self._reload_lock = asyncio.Lock()
@@ -219,7 +220,8 @@ class HTTPEngine:
 
     async def close(self) -> None:
         client, self._client = self._client, self._given_client
-        if client is not None and client is not self._given_client:
+        # A session made on another (finished) loop cannot be closed from this one: dropped.
+        if client not in (None, self._given_client) and self._client_loop is asyncio.get_running_loop():
             await client.close()
 
     # -- HTTP -----------------------------------------------------------------------------
@@ -227,8 +229,12 @@ class HTTPEngine:
         return f"{self.base_url}{path}"
 
     def _session(self) -> aiohttp.ClientSession:
-        """The engine's pooled session, made on the running loop the first time it is needed."""
-        if self._client is None or self._client.closed:
+        """The engine's pooled session, made on the running loop the first time it is needed (and
+        again if the engine is used from another loop: a session's connections belong to one)."""
+        loop = asyncio.get_running_loop()
+        stale = self._client is not self._given_client and self._client_loop is not loop
+        if self._client is None or self._client.closed or stale:
+            self._client_loop = loop
             self._client = aiohttp.ClientSession(
                 # limit=0: no cap (the gateway bounds concurrency); idle connections kept a while.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
