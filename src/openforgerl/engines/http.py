@@ -375,7 +375,7 @@ class HTTPEngine:
                         self._raise_status(r.status, msg, retry_after(answer))
                     async for data in sse_data(r.content):
                         if data == b"[DONE]":
-                            break
+                            continue  # the body ends after it: read to the end, so the connection is pooled
                         event = self._event(data)
                         if "error" in event:
                             self._stream_error(event)
