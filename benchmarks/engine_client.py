@@ -1,13 +1,19 @@
-"""httpx vs aiohttp as the gateway's engine client, against the ZERO-LATENCY FAKE engine.
+"""The gateway's engine client, old (httpx) vs new (aiohttp), against the ZERO-LATENCY FAKE engine.
 
-A side experiment of the gateway-overhead benchmark: the gateway calls its engine with httpx (see
-engines/vllm.py); this puts the same call pattern (a token-id prompt POSTed to /v1/completions, the
-JSON answer parsed) under N concurrent callers that each also burn some CPU per call, as the gateway
-does around each engine call, and reports the engine-call latency and the calls per second.
+A side experiment of the gateway-overhead benchmark: this puts the engine call (a token-id prompt
+POSTed to /v1/completions, the JSON answer parsed) under N concurrent callers that each also burn
+some CPU per call, as the gateway does around each engine call, and reports the engine-call latency
+and the calls per second, for each client:
 
-Runs in .venv-bench (it has both clients); starts its own fake engine (main venv) on a free port:
+- `httpx`: a bare httpx.AsyncClient configured as engines/http.py had it before #25 (the old client);
+- `aiohttp`: a bare aiohttp.ClientSession with no connection cap;
+- `engine`: the engine itself, `VLLMEngine.generate` (engines/http.py on aiohttp: body built, answer
+  mapped onto a GenerateResult);
+- `engine-stream`: the same with `on_tokens`, i.e. the streamed request (one SSE event per token).
 
-    .venv-bench/bin/python benchmarks/engine_client.py --concurrency 64 512 --prompt-tokens 500 27000
+Runs in the main venv (it has both clients and openforgerl); starts its own fake engine on a free port:
+
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_client.py --concurrency 1 64 --prompt-tokens 500 27000
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ import aiohttp
 import httpx
 import orjson
 
+from openforgerl.engines.base import SamplingParams
+from openforgerl.engines.vllm import VLLMEngine
+
 HERE = Path(__file__).resolve().parent
+KINDS = ("httpx", "aiohttp", "engine", "engine-stream")
 
 
 def burn(ms: float) -> None:
@@ -43,7 +53,7 @@ async def trial(
     )
     headers = {"Content-Type": "application/json"}
     latencies: list[float] = []
-    if kind == "httpx":  # as engines/vllm.py configures it
+    if kind == "httpx":  # as engines/http.py configured it before #25
         hclient = httpx.AsyncClient(
             timeout=60, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
@@ -53,7 +63,7 @@ async def trial(
             orjson.loads(r.content)
 
         close: Any = hclient.aclose
-    else:
+    elif kind == "aiohttp":
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
         async def post() -> None:
@@ -61,6 +71,16 @@ async def trial(
                 orjson.loads(await r.read())
 
         close = session.close
+    else:
+        engine = VLLMEngine(url.removesuffix("/v1/completions"), model="fake-model", max_context=1 << 20)
+        prompt = list(range(1000, 1000 + prompt_tokens))
+        sampling = SamplingParams(max_tokens=64)
+        sink = (lambda ids: None) if kind == "engine-stream" else None
+
+        async def post() -> None:
+            await engine.generate(prompt, sampling, on_tokens=sink)
+
+        close = engine.close
     deadline = time.perf_counter() + seconds
 
     async def caller() -> None:
@@ -97,7 +117,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[500, 27000])
     ap.add_argument("--work-ms", type=float, default=2.0, help="CPU burnt per call before the engine call")
     ap.add_argument("--seconds", type=float, default=6.0)
-    ap.add_argument("--main-python", default=str(HERE.parent / ".venv" / "bin" / "python"))
+    ap.add_argument("--clients", nargs="+", choices=KINDS, default=list(KINDS))
+    ap.add_argument("--main-python", default=sys.executable, help="the python that runs the fake engine")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,7 +146,7 @@ def main() -> None:
         rows = []
         for c in args.concurrency:
             for n in args.prompt_tokens:
-                for kind in ("httpx", "aiohttp"):
+                for kind in args.clients:
                     row = asyncio.run(trial(kind, url + "/v1/completions", c, n, args.work_ms, args.seconds))
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)

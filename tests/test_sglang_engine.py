@@ -162,12 +162,16 @@ def test_finish_reasons(sampling: SamplingParams, ids: list[int], finish: str, s
     with fake_server(scripted) as s:
 
         async def go(eng: SGLangEngine) -> Any:
-            return await eng.generate([1], sampling)
+            runs: list[list[int]] = []
+            streamed = await eng.generate([1], sampling, on_tokens=lambda t: runs.append(list(t)))
+            return await eng.generate([1], sampling), streamed, runs
 
-        result = run(go, s.url)
+        result, streamed, runs = run(go, s.url)
     assert isinstance(result, base.GenerateResult)
     assert (result.completion_ids, result.finish_reason, result.stop_reason) == (ids, finish, stop_reason)
     assert len(result.logprobs) == len(ids)
+    assert streamed == result  # ids, logprobs, finish and stop reasons, version, extra
+    assert [t for r in runs for t in r] == ids
 
 
 def test_abort_finish() -> None:
@@ -211,7 +215,7 @@ def test_server_down_is_unavailable() -> None:
         try:
             with pytest.raises(EngineUnavailable, match="not healthy within"):
                 await eng.start()
-            with pytest.raises(EngineUnavailable, match="ConnectError"):
+            with pytest.raises(EngineUnavailable, match="ClientConnectorError"):
                 await eng.generate([1], SamplingParams())
             with pytest.raises(EngineUnavailable):
                 await eng.load_weights("/nowhere")
@@ -243,6 +247,7 @@ def _raise(exc: BaseException) -> Callable[[ScriptRequest], Scripted]:
     return script
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     ("exc", "expected", "status"),
     [
@@ -253,14 +258,14 @@ def _raise(exc: BaseException) -> Callable[[ScriptRequest], Scripted]:
         (EngineError("bad request"), EngineError, 400),
     ],
 )
-def test_error_statuses(exc: BaseException, expected: type[EngineError], status: int) -> None:
+def test_error_statuses(exc: BaseException, expected: type[EngineError], status: int, stream: bool) -> None:
     with fake_server(ScriptedEngine(script=_raise(exc))) as s:
         raw = httpx.post(f"{s.url}/generate", json={"input_ids": [1]}, timeout=10)
         assert raw.status_code == status
 
         async def go(eng: SGLangEngine) -> Any:
             with pytest.raises(expected) as info:
-                await eng.generate([1], SamplingParams())
+                await eng.generate([1], SamplingParams(), on_tokens=(lambda t: None) if stream else None)
             return info.value
 
         err = run(go, s.url)
@@ -365,6 +370,20 @@ def test_cancellation_aborts_the_server_side_generation() -> None:
     assert isinstance(elapsed, float) and elapsed < 5
 
 
+# The sessions of the finished loops are dropped unclosed (they cannot be closed from another loop).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_engine_used_from_two_event_loops() -> None:
+    """The session belongs to the loop it was made on; another loop (a push from a fresh
+    asyncio.run) gets its own."""
+    with fake_server(ScriptedEngine(completion=[5, 6])) as s:
+        eng = SGLangEngine(s.url, start_timeout=5.0)
+        asyncio.run(eng.start())
+        first = asyncio.run(eng.generate([1], SamplingParams()))
+        second = asyncio.run(eng.generate([1], SamplingParams(), on_tokens=lambda t: None))
+        asyncio.run(eng.close())
+    assert first.completion_ids == second.completion_ids == [5, 6]
+
+
 def test_concurrent_requests_get_their_own_answers() -> None:
     scripted = ScriptedEngine(script=lambda req: [t * 10 for t in req.prompt_ids], latency_s=0.05)
     with fake_server(scripted) as s:
@@ -377,6 +396,112 @@ def test_concurrent_requests_get_their_own_answers() -> None:
         prompts, results = run(go, s.url)
     for p, r in zip(prompts, results, strict=True):
         assert r.completion_ids == [t * 10 for t in p]
+
+
+# Streaming (`on_tokens`): SGLang's event stream, cumulative (its default) or incremental.
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_streamed_generation_equals_the_plain_one(incremental: bool) -> None:
+    lps = [-0.25, -1.5, -0.125, -2.0, -0.5]
+    scripted = ScriptedEngine(script=[Scripted([5, 6, 7, 8, 9], logprobs=lps)] * 2)
+    sampling = SamplingParams(temperature=0.7, max_tokens=10, stop_token_ids=(9,), seed=1)
+    with fake_server(scripted, incremental_streaming_output=incremental) as s:
+
+        async def go(eng: SGLangEngine) -> Any:
+            runs: list[list[int]] = []
+            streamed = await eng.generate([1, 2], sampling, on_tokens=lambda t: runs.append(list(t)))
+            return await eng.generate([1, 2], sampling), streamed, runs
+
+        plain, streamed, runs = run(go, s.url)
+        stream_body, plain_body = s.fake.requests  # streamed first
+    assert stream_body == {**plain_body, "stream": True}
+    assert streamed == plain
+    assert (streamed.completion_ids, streamed.logprobs, streamed.stop_reason) == ([5, 6, 7, 8, 9], lps, 9)
+    assert runs == [[5], [6], [7], [8], [9]]  # one run per event, in order
+
+
+def test_streamed_tokens_arrive_before_the_generation_ends() -> None:
+    """The fake holds its stream after two ids until the test has seen them: a client that waited for
+    the whole answer would never deliver them (and the test would time out)."""
+    scripted = ScriptedEngine(completion=[5, 6, 7, 8])
+    with fake_server(scripted) as s:
+        s.fake.hold_after = 2
+
+        async def go(eng: SGLangEngine) -> Any:
+            runs: list[list[int]] = []
+            task = asyncio.create_task(
+                eng.generate([1], SamplingParams(), on_tokens=lambda t: runs.append(list(t)))
+            )
+            assert await until(lambda: len(runs) == 2, within_s=20)
+            early = (list(runs), task.done(), s.fake.streamed)
+            s.fake.resume.set()
+            return early, await task, runs
+
+        (early_runs, done_early, sent_early), result, runs = run(go, s.url)
+    assert (early_runs, done_early, sent_early) == ([[5], [6]], False, 2)
+    assert runs == [[5], [6], [7], [8]] and result.completion_ids == [5, 6, 7, 8]
+
+
+def test_cancelling_a_stream_aborts_it() -> None:
+    scripted = ScriptedEngine(completion=[5, 6, 7, 8])
+    with fake_server(scripted) as s:
+        s.fake.hold_after = 1
+
+        async def go(eng: SGLangEngine) -> Any:
+            runs: list[list[int]] = []
+            task = asyncio.create_task(
+                eng.generate([1], SamplingParams(), on_tokens=lambda t: runs.append(list(t)))
+            )
+            assert await until(lambda: runs == [[5]], within_s=20)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await until(lambda: s.fake.aborted == 1, within_s=20)  # the server saw the client leave
+            return runs
+
+        runs = run(go, s.url)
+        assert (s.fake.aborted, s.fake.streamed) == (1, 1)
+    assert runs == [[5]]
+
+
+def test_a_server_dying_mid_stream_is_unavailable() -> None:
+    with fake_server(ScriptedEngine(completion=[5, 6, 7, 8])) as s:
+        s.fake.die_after = 2
+
+        async def go(eng: SGLangEngine) -> Any:
+            runs: list[list[int]] = []
+            with pytest.raises(EngineUnavailable):
+                await eng.generate([1], SamplingParams(), on_tokens=lambda t: runs.append(list(t)))
+            s.fake.die_after = None
+            again = await eng.generate([1], SamplingParams(), on_tokens=lambda t: None)  # the pool recovers
+            return runs, again
+
+        runs, again = run(go, s.url)
+    assert runs == [[5], [6]]
+    assert again.completion_ids == [5, 6, 7, 8]
+
+
+def test_generate_stream_parser() -> None:
+    from openforgerl.engines.sglang import GenerateStream
+
+    def event(ids: list[int], total: int, finish: Any = None) -> dict[str, Any]:
+        entries = [[-1.0, t, None] for t in ids]
+        meta = {"output_token_logprobs": entries, "completion_tokens": total, "finish_reason": finish}
+        return {"output_ids": ids, "meta_info": meta}
+
+    cumulative = GenerateStream(0)
+    assert [cumulative.feed(event([5], 1)), cumulative.feed(event([5, 6], 2))] == [[5], [6]]
+    assert cumulative.feed(event([5, 6], 2)) == []  # nothing new
+    with pytest.raises(EngineUnavailable, match="ended before"):
+        cumulative.result()
+    assert cumulative.feed(event([5, 6, 7], 3, {"type": "length", "length": 3})) == [7]
+    assert cumulative.result().completion_ids == [5, 6, 7]
+    incremental = GenerateStream(0)
+    got = [incremental.feed(event(ids, n)) for ids, n in (([5], 1), ([6, 7], 3), ([8], 4))]
+    assert got == [[5], [6, 7], [8]] and incremental.output_ids == [5, 6, 7, 8]
+    with pytest.raises(EngineError, match="unexpected stream event"):
+        incremental.feed({"text": "no meta"})
 
 
 # ScriptedEngine on its own (it also drives the gateway benchmark).

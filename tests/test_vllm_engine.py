@@ -30,13 +30,16 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from openforgerl.engines.base import (
     ContextLengthExceeded,
@@ -81,25 +84,51 @@ def run_engine(url: str, fn: Callable[[VLLMEngine], Awaitable[T]], **kw: Any) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# Default run: the engine against httpx.MockTransport, no server.
+# Default run: the engine against a scripted vLLM (an aiohttp server on the test's loop), no model.
+
+
+@dataclass
+class Seen:
+    """A request the scripted vLLM received."""
+
+    path: str
+    params: dict[str, str]
+    content: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class Stream:
+    """A streamed answer: `events` written one by one as they are (raw bytes), status 200."""
+
+    events: list[bytes]
 
 
 @dataclass
 class Mock:
-    """A scripted vLLM: `answers[path]` is (status, json body, headers) or a callable of the request."""
+    """A scripted vLLM: `answers[path]` is (status, json body[, headers]), a Stream, or a callable
+    of the Seen request returning one of those."""
 
     answers: dict[str, Any]
-    seen: list[httpx.Request]
+    seen: list[Seen]
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.seen.append(request)
-        answer = self.answers.get(request.url.path)
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        seen = Seen(request.path, dict(request.query), await request.read(), dict(request.headers))
+        self.seen.append(seen)
+        answer = self.answers.get(request.path)
         if callable(answer):
-            answer = answer(request)
+            answer = answer(seen)
         if answer is None:
-            return httpx.Response(404, json={"detail": "Not Found"})
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if isinstance(answer, Stream):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for event in answer.events:
+                await response.write(event)
+            await response.write_eof()
+            return response
         status, body, headers = answer if len(answer) == 3 else (*answer, {})
-        return httpx.Response(status, json=body, headers=headers)
+        return web.json_response(body, status=status, headers=headers)
 
 
 MODELS = (200, {"data": [{"id": "tiny", "max_model_len": 64}]})
@@ -123,10 +152,15 @@ def mocked(answers: dict[str, Any], fn: Callable[[VLLMEngine], Awaitable[T]], **
     mock = Mock({"/health": (200, {}), "/v1/models": MODELS, **answers}, [])
 
     async def main() -> T:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(mock)) as client:
-            eng = VLLMEngine("http://vllm.test", client=client, start_timeout=1.0, **kw)
-            await eng.start()
-            return await fn(eng)
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", mock.handle)
+        async with TestServer(app, host="127.0.0.1") as server:
+            eng = VLLMEngine(str(server.make_url("")), start_timeout=1.0, **kw)
+            try:
+                await eng.start()
+                return await fn(eng)
+            finally:
+                await eng.close()
 
     return asyncio.run(main()), mock
 
@@ -136,7 +170,8 @@ def test_request_body_and_result_mapping() -> None:
         sampling = SamplingParams(0.7, 0.9, 500, ("\n\n",), (7,), 3)
         return await eng.generate([1, 2, 3], sampling)
 
-    result, mock = mocked({"/v1/completions": choice([5, 6, 7], "stop", 7)}, go)
+    result, mock = mocked({"/v1/completions": choice([5, 6, 7], "stop", 7)}, go, api_key="k")
+    assert {r.headers.get("Authorization") for r in mock.seen} == {"Bearer k"}
     sent = json.loads(mock.seen[-1].content)
     assert sent == {
         "model": "tiny",  # discovered from /v1/models
@@ -207,13 +242,131 @@ def test_error_mapping(status: int, body: dict[str, Any], expected: type[EngineE
         assert (err.prompt_tokens, err.max_context) == (2050, 2048)
 
 
+def event(ids: list[int], finish: str | None = None, stop_reason: Any = None) -> bytes:
+    """One `/v1/completions` stream event in vLLM 0.32's shape (as its server writes it)."""
+    lps = [-0.5] * len(ids)
+    data = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [
+            {
+                "index": 0,
+                "text": "x" * len(ids),
+                "logprobs": {
+                    "text_offset": [0] * len(ids),
+                    "token_logprobs": lps,
+                    "tokens": ["x"] * len(ids),
+                },
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+                "token_ids": ids,
+            }
+        ],
+    }
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+USAGE = b'data: {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 3}}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    ("events", "plain"),
+    [
+        ([event([5]), event([6, 7]), event([9], "stop"), DONE], choice([5, 6, 7, 9], "stop")),
+        ([event([5]), event([6], "stop", "ab"), USAGE, DONE], choice([5, 6], "stop", "ab")),
+        ([event([5]), event([], "length"), DONE], choice([5], "length")),
+        ([event([5], "abort"), DONE], choice([5], "abort")),
+    ],
+)
+def test_a_stream_gives_the_plain_answers_result(events: list[bytes], plain: Any) -> None:
+    async def go(eng: VLLMEngine) -> tuple[GenerateResult, GenerateResult, list[list[int]]]:
+        runs: list[list[int]] = []
+        streamed = await eng.generate([1], SamplingParams(), on_tokens=lambda t: runs.append(list(t)))
+        return streamed, await eng.generate([1], SamplingParams()), runs
+
+    def answer(seen: Seen) -> Any:
+        return Stream(events) if json.loads(seen.content).get("stream") else plain
+
+    (streamed, result, runs), mock = mocked({"/v1/completions": answer}, go)
+    assert streamed == result
+    assert [t for r in runs for t in r] == result.completion_ids and [] not in runs
+    stream_body, plain_body = (json.loads(r.content) for r in mock.seen[-2:])
+    assert stream_body == {**plain_body, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("events", "expected", "match"),
+    [
+        # vLLM's error event when its engine fails mid-generation: a server failure, retry later.
+        (
+            [
+                event([5]),
+                b'data: {"error": {"message": "Internal server error", "type": '
+                b'"InternalServerError", "param": null, "code": 500}}\n\n',
+                DONE,
+            ],
+            EngineUnavailable,
+            "Internal server error",
+        ),
+        ([event([5]), b"data: {not json\n\n", DONE], EngineError, "malformed"),
+        ([event([5]), b'data: {"choices": [{"token_ids": [6]}]}\n\n', DONE], EngineError, "1 token ids"),
+        ([event([5]), DONE], EngineUnavailable, "ended before"),  # no finish: the server gave up
+        ([event([5]), b'data: {"choi'], EngineUnavailable, "inside an event"),  # cut mid-event
+    ],
+)
+def test_stream_failures(events: list[bytes], expected: type[EngineError], match: str) -> None:
+    async def go(eng: VLLMEngine) -> tuple[EngineError, list[list[int]]]:
+        runs: list[list[int]] = []
+        with pytest.raises(expected, match=match) as info:
+            await eng.generate([1], SamplingParams(), on_tokens=lambda t: runs.append(list(t)))
+        return info.value, runs
+
+    (err, runs), _ = mocked({"/v1/completions": Stream(events)}, go)
+    assert type(err) is expected and runs == [[5]]
+
+
+def test_a_refused_stream_maps_like_a_refused_request() -> None:
+    async def go(eng: VLLMEngine) -> EngineError:
+        with pytest.raises(EngineOverloaded) as info:
+            await eng.generate([1], SamplingParams(), on_tokens=lambda t: None)
+        return info.value
+
+    too_many = (429, {"error": {"message": "too many"}}, {"Retry-After": "4"})
+    err, _ = mocked({"/v1/completions": too_many}, go)
+    assert err.retry_after == 4.0 and "too many" in str(err)
+
+
+def test_a_given_client_session_is_used_and_left_open() -> None:
+    """`client=`: the caller's aiohttp session (its own settings) plus the bearer token; not closed."""
+    mock = Mock({"/health": (200, {}), "/v1/models": MODELS, "/v1/completions": choice([5])}, [])
+
+    async def main() -> tuple[GenerateResult, bool]:
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", mock.handle)
+        async with (
+            TestServer(app, host="127.0.0.1") as server,
+            aiohttp.ClientSession(headers={"X-Test": "given"}) as session,
+        ):
+            eng = VLLMEngine(str(server.make_url("")), client=session, api_key="k", start_timeout=1.0)
+            await eng.start()
+            result = await eng.generate([1], SamplingParams())
+            await eng.close()
+            return result, session.closed
+
+    result, closed = asyncio.run(main())
+    assert result.completion_ids == [5] and not closed
+    sent = mock.seen[-1].headers
+    assert (sent.get("X-Test"), sent.get("Authorization")) == ("given", "Bearer k")
+
+
 def test_prompt_without_room_is_refused_locally() -> None:
     async def go(eng: VLLMEngine) -> None:
         with pytest.raises(ContextLengthExceeded):
             await eng.generate(list(range(64)), SamplingParams())
 
     _, mock = mocked({}, go)
-    assert [r.url.path for r in mock.seen] == ["/health", "/v1/models"]
+    assert [r.path for r in mock.seen] == ["/health", "/v1/models"]
 
 
 def test_server_down_and_start_timeout() -> None:
@@ -224,7 +377,7 @@ def test_server_down_and_start_timeout() -> None:
         try:
             with pytest.raises(EngineUnavailable, match="not healthy within 1 s"):
                 await eng.start()
-            with pytest.raises(EngineUnavailable, match="ConnectError"):
+            with pytest.raises(EngineUnavailable, match="ClientConnectorError"):
                 await eng.generate([1], SamplingParams())
         finally:
             await eng.close()
@@ -242,7 +395,7 @@ def test_load_weights_calls(tmp_path: Path) -> None:
     answers = {"/collective_rpc": (200, {"results": [None]}), "/reset_prefix_cache": lambda r: next(resets)}
     version, mock = mocked(answers, go)
     assert version == 1
-    calls = [(r.url.path, r.url.params.get("reset_running_requests")) for r in mock.seen[2:]]
+    calls = [(r.path, r.params.get("reset_running_requests")) for r in mock.seen[2:]]
     assert calls == [("/collective_rpc", None)] + [("/reset_prefix_cache", "true")] * 2
     assert json.loads(mock.seen[2].content) == {
         "method": "reload_weights",
@@ -333,7 +486,7 @@ def test_load_weights_failures(tmp_path: Path) -> None:
             await eng.load_weights(str(tmp_path / "missing"))
 
     _, mock = mocked({}, checked_locally, check_weights_path=True)
-    assert "/collective_rpc" not in [r.url.path for r in mock.seen]
+    assert "/collective_rpc" not in [r.path for r in mock.seen]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,14 +662,26 @@ def eos_ids(model_dir: Path) -> list[int]:
     return [tok_eos, *[e for e in gen if e != tok_eos]]
 
 
+async def plain_and_streamed(eng: VLLMEngine, prompt: list[int], sampling: SamplingParams) -> GenerateResult:
+    """Generate `sampling` (seeded or greedy) streamed, then plainly: the streamed result must be the
+    plain one exactly (ids, logprobs, finish and stop reasons, version), its runs the ids in order."""
+    runs: list[list[int]] = []
+    streamed = await eng.generate(prompt, sampling, on_tokens=lambda t: runs.append(list(t)))
+    plain = await eng.generate(prompt, sampling)
+    assert streamed == plain
+    assert [t for r in runs for t in r] == plain.completion_ids
+    assert len(runs) > 1 or len(plain.completion_ids) == 1  # vLLM sends one step per event
+    return plain
+
+
 @vllm
 def test_sampled_ids_and_logprobs(vllm_server: Server, teacher: Teacher, prompt: list[int]) -> None:
     async def go(eng: VLLMEngine) -> list[tuple[float, GenerateResult]]:
         assert (eng.model, eng.max_context) == ("tiny", MAX_MODEL_LEN)
         out = []
         for temperature, seed in ((1.0, 1), (0.7, 2), (1.3, 3)):
-            r = await eng.generate(prompt, SamplingParams(temperature=temperature, max_tokens=48, seed=seed))
-            out.append((temperature, r))
+            sampling = SamplingParams(temperature=temperature, max_tokens=48, seed=seed)
+            out.append((temperature, await plain_and_streamed(eng, prompt, sampling)))
         return out
 
     diffs = []
@@ -548,16 +713,18 @@ def test_length_stop_string_and_stop_token(vllm_server: Server, tokenizer: Any, 
     eos = set(eos_ids(vllm_server.model_dir))
 
     async def go(eng: VLLMEngine) -> None:
-        ref = await eng.generate(prompt, SamplingParams(max_tokens=40, seed=11))
+        ref = await plain_and_streamed(eng, prompt, SamplingParams(max_tokens=40, seed=11))
         assert ref.finish_reason == "length" and not eos & set(ref.completion_ids), "pick another seed"
         ids = ref.completion_ids
 
-        short = await eng.generate(prompt, SamplingParams(max_tokens=5, seed=11))
+        short = await plain_and_streamed(eng, prompt, SamplingParams(max_tokens=5, seed=11))
         assert (short.completion_ids, short.finish_reason, short.stop_reason) == (ids[:5], "length", None)
 
         # A stop token id: generation ends on it, and it is kept as the last id.
         k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
-        r = await eng.generate(prompt, SamplingParams(max_tokens=40, seed=11, stop_token_ids=(ids[k],)))
+        r = await plain_and_streamed(
+            eng, prompt, SamplingParams(max_tokens=40, seed=11, stop_token_ids=(ids[k],))
+        )
         assert (r.completion_ids, r.finish_reason, r.stop_reason) == (ids[: k + 1], "stop", ids[k])
 
         # A stop string: ids keep the whole token that completed it (only the text would be cut).
@@ -569,7 +736,7 @@ def test_length_stop_string_and_stop_token(vllm_server: Server, tokenizer: Any, 
                     break
         else:
             pytest.fail("no usable stop string in the reference completion")
-        r = await eng.generate(prompt, SamplingParams(max_tokens=40, seed=11, stop=(stop,)))
+        r = await plain_and_streamed(eng, prompt, SamplingParams(max_tokens=40, seed=11, stop=(stop,)))
         assert (r.completion_ids, r.finish_reason, r.stop_reason) == (ids[: k + 1], "stop", stop)
 
     run_engine(vllm_server.url, go)
@@ -669,6 +836,49 @@ def test_cancellation_aborts_the_request(vllm_server: Server, prompt: list[int])
     print(f"vLLM freed the cancelled request {freed_s:.2f} s after the cancel, after {tokens:.0f} tokens")
 
 
+@vllm
+def test_cancelling_a_stream_aborts_the_request(vllm_server: Server, prompt: list[int]) -> None:
+    """Tokens come while vLLM still generates (the first run is in hand long before the 2,000-token
+    generation could end), and cancelling then closes the stream and frees the request."""
+    url = vllm_server.url
+    max_tokens = MAX_MODEL_LEN - len(prompt)
+
+    def generated() -> float:
+        return vllm_metric(url, "vllm:generation_tokens_total")
+
+    async def go(eng: VLLMEngine) -> tuple[list[list[int]], float]:
+        before = await asyncio.to_thread(generated)
+        runs: list[list[int]] = []
+        first = asyncio.Event()
+
+        def sink(ids: Sequence[int]) -> None:
+            runs.append(list(ids))
+            first.set()
+
+        sampling = SamplingParams(max_tokens=max_tokens, seed=1)
+        task = asyncio.create_task(eng.generate(prompt, sampling, on_tokens=sink))
+        # No sleep to guess at: cancel as soon as the first tokens are in.
+        await asyncio.wait({task, asyncio.create_task(first.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        assert runs and not task.done(), "the request ended before its first tokens were handed on"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        t0 = time.monotonic()
+        while await asyncio.to_thread(vllm_metric, url, "vllm:num_requests_running") != 0:
+            assert time.monotonic() - t0 < 5, "vLLM kept the cancelled request running"
+            await asyncio.sleep(0.05)
+        stopped_at = await asyncio.to_thread(generated)
+        await asyncio.sleep(1.0)
+        assert await asyncio.to_thread(generated) == stopped_at, "vLLM kept generating"
+        return runs, stopped_at - before
+
+    runs, tokens = run_engine(url, go, extra_body={"ignore_eos": True})
+    assert runs and tokens < max_tokens
+    print(
+        f"stream cancelled after {sum(map(len, runs))} streamed ids; vLLM stopped after {tokens:.0f} tokens"
+    )
+
+
 def eos_prone_checkpoint(src: Path, dst: Path, eos_id: int, prompt: list[int]) -> float:
     """A clearly different checkpoint whose model often ends its turn with `eos_id`; that probability.
 
@@ -733,9 +943,10 @@ def test_load_weights_and_eos(
         t0 = time.monotonic()
         out["version"] = await eng.load_weights(str(new_dir))
         out["reload_s"] = time.monotonic() - t0
-        out["greedy"] = await eng.generate(prompt, greedy)
+        out["greedy"] = await plain_and_streamed(eng, prompt, greedy)  # stops on EOS, streamed too
         samples = [SamplingParams(max_tokens=64, seed=s) for s in range(16)]
         out["sampled"] = await asyncio.gather(*(eng.generate(prompt, s) for s in samples))
+        out["streamed"] = [await plain_and_streamed(eng, prompt, s) for s in samples[:4]]
         out["restored"] = await eng.load_weights(str(base_dir))
         out["after"] = await eng.generate(prompt, greedy)
         return out
@@ -757,6 +968,7 @@ def test_load_weights_and_eos(
     for r in out["sampled"]:
         if r.finish_reason == "length":
             teacher.check(new_dir, prompt, r, 1.0)
+    assert any(r.finish_reason == "stop" for r in out["streamed"])  # an EOS stop went through a stream
     # Back to the original weights: the original greedy answer again, with the prefix cache reset.
     assert out["restored"] == 2 and out["after"].policy_version == 2
     assert out["after"].completion_ids == out["before"].completion_ids

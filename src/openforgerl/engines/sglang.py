@@ -31,6 +31,13 @@ beside `input_ids`, whose image placeholders the gateway already expanded; SGLan
 matches each expanded vision_start / pad run / vision_end with the next image. Only the wire format is
 tested here (against the fake server); not yet tried against a real SGLang.
 
+Streaming (`generate(..., on_tokens=...)` sends `"stream": true`): SSE events in the answer's own
+shape, `finish_reason` null until the last one. By default SGLang resends everything so far in each
+event (`output_ids`, `output_token_logprobs`: quadratic bytes over a long generation; start the server
+with `--incremental-streaming-output` to get only the new part); `GenerateStream` takes either and
+gives the same GenerateResult as the plain answer. Checked against SGLang's source
+(tokenizer_manager's output processing), tested against the fake only.
+
 Weight updates use `POST /update_weights_from_disk {"model_path": ...}`; SGLang flushes its radix
 cache itself after the update.
 
@@ -44,7 +51,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
-import httpx
 import orjson
 
 from openforgerl.engines.base import (
@@ -54,6 +60,7 @@ from openforgerl.engines.base import (
     EngineUnavailable,
     GenerateResult,
     SamplingParams,
+    TokenSink,
 )
 from openforgerl.engines.http import HTTPEngine, HTTPEngineOptions, error_message, retry_after
 from openforgerl.images import Image
@@ -107,7 +114,7 @@ class SGLangEngine(HTTPEngine):
 
     async def _on_healthy(self) -> None:
         """Read `/get_model_info`."""
-        r = await self._request("GET", "/get_model_info", timeout=10.0)
+        r = await self._request("GET", "/get_model_info", timeout_s=10.0)
         info = orjson.loads(r.content)
         self.model_info = info if isinstance(info, dict) else {}
 
@@ -152,16 +159,24 @@ class SGLangEngine(HTTPEngine):
     def parse_response(self, content: bytes, policy_version: int) -> GenerateResult:
         return parse_generate_response(content, policy_version)
 
-    async def _post_generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image]
-    ) -> httpx.Response:
+    def stream_parser(self, policy_version: int) -> GenerateStream:
+        return GenerateStream(policy_version)
+
+    async def _generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image],
+        on_tokens: TokenSink | None,
+        version: int,
+    ) -> GenerateResult:
         try:
-            return await super()._post_generate(prompt_ids, sampling, images)
+            return await super()._generate(prompt_ids, sampling, images, on_tokens, version)
         except _NoRoomForMaxTokens as e:
             if self.max_context == e.max_context:
                 raise  # already clamped to what we knew: do not loop
             self.max_context = e.max_context
-            return await super()._post_generate(prompt_ids, sampling, images)
+            return await super()._generate(prompt_ids, sampling, images, on_tokens, version)
 
     async def _update_weights(self, path: str) -> None:
         """`POST /update_weights_from_disk`; SGLang flushes its radix cache itself."""
@@ -184,14 +199,63 @@ def parse_generate_response(content: bytes, policy_version: int) -> GenerateResu
     """Map one non-streaming `/generate` answer onto a GenerateResult."""
     try:
         out = orjson.loads(content)
-        meta = out["meta_info"]
-        entries = meta["output_token_logprobs"]
-        output_ids: list[int] = out.get("output_ids") or []
-        finish_json = meta.get("finish_reason") or {}
-        ids = [int(e[1]) for e in entries]
-        logprobs = [float(e[0]) for e in entries]
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
+        return _generate_result(out.get("output_ids") or [], out["meta_info"], policy_version)
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
         raise EngineError(f"SGLang returned an unexpected /generate body: {content[:300]!r}") from e
+
+
+class GenerateStream:
+    """A streamed `/generate` answer folded into the same GenerateResult as the non-streamed one.
+
+    Each event is a whole answer's shape ({"text", "output_ids", "meta_info"}). By default SGLang
+    resends everything so far in each event (`output_ids` and `meta_info.output_token_logprobs`
+    cumulative); a server started with `--incremental-streaming-output` sends only the new part.
+    `meta_info.completion_tokens` counts every id so far in both, which tells them apart. The last
+    event carries the non-null `finish_reason`.
+    """
+
+    def __init__(self, policy_version: int) -> None:
+        self.policy_version = policy_version
+        self.entries: list[Any] = []
+        self.output_ids: list[int] = []
+        self.meta: dict[str, Any] = {}
+
+    def feed(self, event: dict[str, Any]) -> list[int]:
+        try:
+            meta = event["meta_info"]
+            entries = meta["output_token_logprobs"]
+            output_ids = event.get("output_ids") or []
+            total = meta.get("completion_tokens")
+            done = len(self.entries)
+            # Cumulative (SGLang's default) unless the event holds only the ids past those seen.
+            if done and len(entries) == total:
+                entries = entries[done:]
+                self.output_ids = list(output_ids)
+            else:
+                self.output_ids += output_ids
+            new = [int(e[1]) for e in entries]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"SGLang sent an unexpected stream event: {str(event)[:300]}") from e
+        self.entries += entries
+        self.meta = meta
+        return new
+
+    def result(self) -> GenerateResult:
+        if not self.meta.get("finish_reason"):
+            raise EngineUnavailable("SGLang's stream ended before the generation finished")
+        meta = {**self.meta, "output_token_logprobs": self.entries}
+        try:
+            return _generate_result(self.output_ids, meta, self.policy_version)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise EngineError(f"SGLang streamed unexpected logprobs: {str(self.entries)[:300]}") from e
+
+
+def _generate_result(output_ids: list[int], meta: dict[str, Any], policy_version: int) -> GenerateResult:
+    """An answer's ids and meta_info (whole, or gathered from a stream) as a GenerateResult."""
+    entries = meta["output_token_logprobs"]
+    finish_json = meta.get("finish_reason") or {}
+    ids = [int(e[1]) for e in entries]
+    logprobs = [float(e[0]) for e in entries]
     # output_ids equal the sampled ids, or lack the matched stop id if the server trimmed it anyway.
     if output_ids != ids and output_ids != ids[:-1]:
         raise EngineError(f"SGLang's output_ids {output_ids[:8]}... disagree with its logprob entries")

@@ -14,6 +14,13 @@ the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests
   and `include_stop_str_in_output` keeps the stop string in it); `stop_reason` is the string.
 - Closing the HTTP connection aborts the request in vLLM (it watches for the client's disconnect), so
   cancelling the task awaiting `generate` frees the server's slot at once.
+- Streaming (`generate(..., on_tokens=...)` sends `"stream": true`): one SSE event per engine step,
+  `choices[0].token_ids` holding that step's new ids with their `logprobs.token_logprobs`,
+  `finish_reason` / `stop_reason` null until the last event (the first event also echoes
+  `prompt_token_ids`), then `data: [DONE]`; a failure mid-generation is an event
+  {"error": {..., "code": 500}}. The ids, logprobs and reasons gathered from the events equal the
+  plain answer's (tests/test_vllm_engine.py generates every finish reason both ways); `CompletionStream`
+  folds them into the same GenerateResult.
 - Logprobs follow the server's `--logprobs-mode`. The default `raw_logprobs` is the model's own
   distribution whatever the temperature; `processed_logprobs` is of logits / temperature after top-k /
   top-p truncation. Start vLLM with `--logprobs-mode processed_logprobs` to get GenerateResult's
@@ -71,6 +78,7 @@ from openforgerl.engines.base import (
     FINISH_REASONS,
     ContextLengthExceeded,
     EngineError,
+    EngineUnavailable,
     GenerateResult,
     SamplingParams,
     TokenSink,
@@ -246,7 +254,7 @@ class VLLMEngine(HTTPEngine):
             await self._discover_model()
 
     async def _discover_model(self) -> None:
-        r = await self._request("GET", "/v1/models", timeout=10.0)
+        r = await self._request("GET", "/v1/models", timeout_s=10.0)
         data = orjson.loads(r.content).get("data") or []
         if not data:
             raise EngineError(f"vLLM server at {self.base_url} serves no model")
@@ -274,7 +282,7 @@ class VLLMEngine(HTTPEngine):
             )
         if self.model is None:
             await self._discover_model()
-        return await super().generate(prompt_ids, sampling)
+        return await super().generate(prompt_ids, sampling, on_tokens=on_tokens)
 
     def request_body(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
@@ -304,6 +312,9 @@ class VLLMEngine(HTTPEngine):
 
     def parse_response(self, content: bytes, policy_version: int) -> GenerateResult:
         return parse_completion_response(content, policy_version)
+
+    def stream_parser(self, policy_version: int) -> CompletionStream:
+        return CompletionStream(policy_version)
 
     async def load_weights(self, path: str) -> int:
         """Reload the server's weights from `path` (a directory on the server's filesystem).
@@ -360,7 +371,7 @@ class VLLMEngine(HTTPEngine):
 
     async def _probe_device_then_warn(self, path: str) -> None:
         try:
-            r = await self._send("GET", "/server_info", timeout=30.0)
+            r = await self._send("GET", "/server_info", timeout_s=30.0)
         except EngineError:
             return  # only a diagnosis
         self._cpu_server = r.status_code == 200 and "device_config=cpu" in r.text
@@ -405,13 +416,70 @@ def parse_completion_response(content: bytes, policy_version: int) -> GenerateRe
     """Map one non-streaming `/v1/completions` answer (with `return_token_ids`) onto a GenerateResult."""
     try:
         choice = orjson.loads(content)["choices"][0]
-        ids: list[int] = choice["token_ids"]
-        logprobs: list[float | None] = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        raw_finish = choice.get("finish_reason")
-        stop_reason = choice.get("stop_reason")
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+        return _completion_result(
+            choice["token_ids"],
+            (choice.get("logprobs") or {}).get("token_logprobs") or [],
+            choice.get("finish_reason"),
+            choice.get("stop_reason"),
+            policy_version,
+        )
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as e:
         text = content[:300].decode(errors="replace")
         raise EngineError(f"vLLM returned an unexpected completion body: {text}") from e
+
+
+class CompletionStream:
+    """A streamed `/v1/completions` answer folded into the same GenerateResult as the non-streamed one.
+
+    vLLM 0.32 sends one event per step, `choices[0]` holding that step's new `token_ids`, their
+    `logprobs.token_logprobs`, and `finish_reason` / `stop_reason` (null until the last event); the
+    first event also echoes `prompt_token_ids`. A usage event (`choices: []`) may follow, then
+    `data: [DONE]`.
+    """
+
+    def __init__(self, policy_version: int) -> None:
+        self.policy_version = policy_version
+        self.ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def feed(self, event: dict[str, Any]) -> list[int]:
+        try:
+            choices = event["choices"]
+            if not choices:
+                return []  # the usage event
+            choice = choices[0]
+            ids: list[int] = choice.get("token_ids") or []
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            finish = choice.get("finish_reason")
+            stop_reason = choice.get("stop_reason")
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise EngineError(f"vLLM sent an unexpected stream event: {str(event)[:300]}") from e
+        if len(logprobs) != len(ids):
+            raise EngineError(f"vLLM streamed {len(logprobs)} logprobs for {len(ids)} token ids")
+        self.ids += ids
+        self.logprobs += logprobs
+        if finish is not None:
+            self.finish_reason, self.stop_reason = finish, stop_reason
+        return ids
+
+    def result(self) -> GenerateResult:
+        if self.finish_reason is None:
+            raise EngineUnavailable("vLLM's stream ended before the generation finished")
+        return _completion_result(
+            self.ids, self.logprobs, self.finish_reason, self.stop_reason, self.policy_version
+        )
+
+
+def _completion_result(
+    ids: list[int] | None,
+    logprobs: list[float | None],
+    raw_finish: str | None,
+    stop_reason: str | int | None,
+    policy_version: int,
+) -> GenerateResult:
+    """A choice's ids, logprobs and finish (whole, or gathered from a stream) as a GenerateResult."""
     if ids is None:
         raise EngineError("vLLM returned no token_ids (a vLLM too old for `return_token_ids`?)")
     if len(logprobs) != len(ids) or any(lp is None for lp in logprobs):

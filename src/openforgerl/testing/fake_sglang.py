@@ -10,7 +10,18 @@ It is not SGLang and samples nothing itself: `/generate` hands the request to th
           "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", "matched"|"length"|
                         "message": ...}, "prompt_tokens", "completion_tokens", "cached_tokens",
                         "output_token_logprobs": [[logprob, id, null], ...], "weight_version"}}
+    POST /generate {..., "stream": true}
+      -> text/event-stream, one `data: {...}` event per sampled id in the same shape, then
+         `data: [DONE]`. Like SGLang by default each event holds everything so far (`output_ids` and
+         `output_token_logprobs` cumulative, `meta_info.completion_tokens` the count so far, `text` so
+         far); with `incremental_streaming_output=True` (SGLang's `--incremental-streaming-output`)
+         only the new part. `finish_reason` is null until the last event.
     GET  /health, GET /get_model_info, POST /update_weights_from_disk {"model_path": ...}
+
+The wrapped engine generates the whole answer first; the stream then sends it one id per event
+(`stream_delay_s` apart). Tests steer a stream through the state: `hold_after` pauses it after that
+many ids until `resume` is set, `die_after` drops the connection after that many ids (a server that
+died), and a stream the client leaves counts as aborted.
 
 Like SGLang it trims a matched stop token from `output_ids` (and a stop string from the text) unless
 `no_stop_trim` is set, keeps logprob entries untrimmed, answers refused requests with 400
@@ -25,14 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from openforgerl.engines.base import (
@@ -55,6 +68,11 @@ class FakeSGLangState:
     generated: int = 0
     aborted: int = 0  # generations cancelled because the client went away
     weight_updates: list[str] = field(default_factory=list)
+    # Streams: pause after `hold_after` ids until `resume` is set; drop the connection after `die_after`.
+    hold_after: int | None = None
+    resume: threading.Event = field(default_factory=threading.Event)
+    die_after: int | None = None
+    streamed: int = 0  # ids sent in stream events, all streams together
 
 
 def _error(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -76,6 +94,8 @@ def fake_sglang_app(
     context_length: int = 4096,
     decode: Callable[[Sequence[int]], str] | None = None,
     manage_engine: bool = True,
+    incremental_streaming_output: bool = False,
+    stream_delay_s: float = 0.0,
 ) -> Starlette:
     """A Starlette app that fakes SGLang's native API over `engine`.
 
@@ -85,6 +105,9 @@ def fake_sglang_app(
         context_length: prompts and prompt + max_new_tokens beyond this are refused with SGLang's 400s.
         decode: ids -> text for the `text` field (empty text without it).
         manage_engine: start the engine on startup and close it on shutdown.
+        incremental_streaming_output: stream only the new part in each event (SGLang's
+            `--incremental-streaming-output`); by default each event holds everything so far.
+        stream_delay_s: seconds between stream events.
     """
     state = FakeSGLangState()
 
@@ -115,8 +138,6 @@ def fake_sglang_app(
     async def generate(request: Request) -> Response:
         body = await request.json()
         state.requests.append(body)
-        if body.get("stream"):
-            return _error("the fake SGLang server does not stream", 400)
         prompt = body.get("input_ids")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return _error("the fake SGLang server needs input_ids (a list of ints)", 400)
@@ -161,7 +182,13 @@ def fake_sglang_app(
         except EngineError as e:
             return _error(str(e), 400)
         state.generated += 1
-        return JSONResponse(_sglang_answer(body, prompt, result, decode, max_new))
+        answer = _sglang_answer(body, prompt, result, decode, max_new)
+        if body.get("stream"):
+            events = _stream_events(answer, result, decode, incremental_streaming_output)
+            return StreamingResponse(
+                _send_events(events, state, stream_delay_s), media_type="text/event-stream"
+            )
+        return JSONResponse(answer)
 
     async def update_weights_from_disk(request: Request) -> Response:
         body = await request.json()
@@ -230,6 +257,55 @@ async def _generate_unless_disconnected(
         await gen
     state.aborted += 1
     raise _ClientGone
+
+
+def _stream_events(
+    answer: dict[str, Any],
+    result: GenerateResult,
+    decode: Callable[[Sequence[int]], str] | None,
+    incremental: bool,
+) -> list[dict[str, Any]]:
+    """`answer` as SGLang streams it: one event per sampled id, cumulative or incremental."""
+    meta = answer["meta_info"]
+    ids, out_ids, entries = result.completion_ids, answer["output_ids"], meta.get("output_token_logprobs")
+    events = []
+    for k in range(1, len(ids) + 1):
+        start = k - 1 if incremental else 0
+        last = k == len(ids)
+        event_meta = {
+            **meta,
+            "finish_reason": meta["finish_reason"] if last else None,
+            "completion_tokens": k,
+        }
+        if entries is not None:
+            event_meta["output_token_logprobs"] = entries[start:k]
+        text = answer["text"] if last and not incremental else (decode(ids[start:k]) if decode else "")
+        events.append({"text": text, "output_ids": out_ids[start:k], "meta_info": event_meta})
+    if not ids:
+        events.append(answer)
+    return events
+
+
+async def _send_events(
+    events: list[dict[str, Any]], state: FakeSGLangState, delay_s: float
+) -> AsyncIterator[bytes]:
+    try:
+        for n, event in enumerate(events):
+            if n and delay_s:
+                await asyncio.sleep(delay_s)
+            if state.hold_after is not None and n == state.hold_after:
+                # Polled: the test sets it from another thread; a cancelled stream must not leave a
+                # thread blocked in wait().
+                while not state.resume.is_set():  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            if state.die_after is not None and n == state.die_after:
+                raise RuntimeError("the fake SGLang server died mid-stream")
+            yield b"data: " + orjson.dumps(event) + b"\n\n"
+            state.streamed += 1
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        state.aborted += 1  # Starlette cancels the stream when the client disconnects
+        raise
 
 
 def _sglang_answer(
