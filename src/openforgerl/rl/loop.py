@@ -9,6 +9,7 @@ weights of step k.
 
 Run folder:
     run.json                 the options (read back by --resume)
+    status.json              running, finished, failed or interrupted (openforgerl.run_status)
     gateway.db               every recorded call of every step (the trace viewer reads it)
     steps/NNNNNN/runner.db   the runner's state of step N: finished rollouts are never redone
     steps/NNNNNN/gen-B/      the same for generation batch B of step N (dynamic sampling)
@@ -93,6 +94,7 @@ from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoint
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
+from openforgerl.run_status import recording
 from openforgerl.tasks import Task, load_tasks
 
 RUN_FILE = "run.json"
@@ -418,7 +420,17 @@ def lag_bound(
 
 
 def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
-    """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary."""
+    """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary. The run
+    folder's status.json says running, then finished, failed or interrupted (openforgerl.run_status)."""
+    if not resume and (opts.out / RUN_FILE).exists():  # another run's folder: its status is left alone
+        raise FileExistsError(
+            f"{opts.out} already holds a run: resume it with --resume, or pick another --out"
+        )
+    with recording(opts.out, "train", tasks=opts.tasks, harness=opts.harness, steps=opts.steps):
+        return _train(opts, resume=resume)
+
+
+def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     if opts.max_lag < 0:
         raise ValueError(f"max_lag must be at least 0, not {opts.max_lag}")
     if opts.max_gen_batches < 1:
