@@ -260,7 +260,8 @@ class Viewer:
             }
             row["eval"] = eval_key(run.folder) if run.folder else None
         else:
-            row["status"] = {**(phase or {}), "source": "the run's status.json"}
+            at = (phase or {}).get("finished_at") or (phase or {}).get("started_at")
+            row["status"] = {**(phase or {}), "source": "the run's status.json", "changed_at": at}
             row["folder"] = (phase or {}).get("folder")
         return row
 
@@ -342,7 +343,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
         names = [n for n in request.query_params.getlist("runs") if n]
         if len(names) < 2:
             raise ApiError(400, "name two or more evaluation runs: ?runs=A&runs=B", "runs")
-        reports = []
+        reports, parents = [], set()
         for name in names:
             found = viewer.runs().get(name) or viewer.runs(fresh=True).get(name)
             if found is None:
@@ -353,8 +354,10 @@ def build_app(cfg: ViewerConfig) -> Starlette:
                     400, f"run {name!r} has no evaluation report (report.json) with scores", "runs"
                 )
             reports.append((name, report))
+            parents.add(found.parent)
         try:
-            return _json(compare_reports(reports))
+            # The run they are phases of, when they share one (the demo's), for the breadcrumbs.
+            return _json(compare_reports(reports) | {"parent": parents.pop() if len(parents) == 1 else None})
         except ValueError as exc:
             raise ApiError(400, str(exc), "runs") from None
 

@@ -167,7 +167,7 @@ def compare_reports(named: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, An
         "runs": names,
         "metric": _metric_label(headline),
         "pairs": [{"from": names[i], "to": names[j]} for i, j in pairs],
-        "interval": "95% percentile bootstrap over tasks, paired by task (eval_stats.paired_difference)",
+        "interval": "95% interval (percentile bootstrap over tasks, paired by task)",
         "overall": overall,
         "by_tag": by_tag,
         "by_task": by_task,

@@ -86,10 +86,17 @@ function kpi(label, value, hint) {
   return h("div", { class: "kpi", title: hint }, h("div", { class: "kpi-label" }, label), h("div", { class: "kpi-value" }, value));
 }
 
-function runTabs(run, active, total) {
+function runTabs(run, active, total, hasStore = true) {
   return h("div", { class: "tabs" },
     h("a", { href: runHref(run), class: active === "overview" ? "on" : "" }, "Overview"),
-    h("a", { href: rolloutsHref(run), class: active === "rollouts" ? "on" : "" }, `Rollouts${total !== undefined ? ` (${fmt.int(total)})` : ""}`));
+    hasStore ? h("a", { href: rolloutsHref(run), class: active === "rollouts" ? "on" : "" }, `Rollouts${total !== undefined ? ` (${fmt.int(total)})` : ""}`) : null);
+}
+
+// Breadcrumbs of a run: the run it is a phase or a step of first.
+function runCrumbs(run, name, ...rest) {
+  const up = run.step_of || run.parent;
+  if (!up) return setCrumbs([name, rest.length ? runHref(name) : null], ...rest);
+  return setCrumbs([up, runHref(up)], [name.slice(up.length).replace(/^[/#]/, ""), rest.length ? runHref(name) : null], ...rest);
 }
 
 function phasesSection(phases) {
@@ -125,8 +132,9 @@ function stepsSection(steps) {
 async function runPage(page, name) {
   setCrumbs([name]);
   const [run, metrics] = await Promise.all([api("run", { run: name }), api("metrics", { run: name })]);
+  runCrumbs(run, name);
   const head = h("div", { class: "kpis" });
-  page.append(h("h1", {}, name, " ", h("span", { id: "run-state" }, badge(run.status.state))), runTabs(name, "overview", run.totals?.rollouts), head);
+  page.append(h("h1", {}, name, " ", h("span", { id: "run-state" }, badge(run.status.state))), runTabs(name, "overview", run.totals?.rollouts, !!run.store), head);
   page.append(phasesSection(run.phases) || [], comparisonsSection(run.comparisons) || [], stepsSection(run.step_runs) || []);
   const own = run.evals.find((e) => e.path === "report.json");
   if (own) page.append(...evaluationSections(name, own.report));
@@ -134,7 +142,7 @@ async function runPage(page, name) {
   const curves = h("div", { class: "charts" });
   const rows = metrics.rows;
   // A run made of phases and without curves of its own (the demo) shows its phases instead.
-  if (rows.length || !run.phases?.length) {
+  if (rows.length || (!run.phases?.length && !own)) {
     page.append(section("Training curves", "One point per training step, read from metrics.jsonl in the run folder; hover a chart for values.", curves));
   }
   let charts = [];
@@ -168,7 +176,8 @@ async function runPage(page, name) {
       kpi("Reward", rewardCell(m.reward_mean ?? t?.reward_mean ?? r.report?.reward_mean), m.reward_mean !== undefined ? "reward_mean of the last step" : "mean reward of the run's scored rollouts"),
       kpi("Pass rate", fmt.pct(m.pass_rate ?? t?.pass_rate ?? r.report?.pass_rate), "share of rollouts with reward ≥ 1"),
       kpi("Rollouts", t ? `${fmt.int(t.scored)} scored / ${fmt.int(t.rollouts)}` : "–"),
-      kpi("Runner", Object.entries(r.progress).map(([k, v]) => `${k} ${v}`).join(" · ") || "–", "the runner's own record (runner.db)"));
+      kpi("Runner", Object.entries(r.progress).map(([k, v]) => `${k} ${v}`).join(" · ") || "–", "the runner's own record (runner.db)"),
+      run.phases?.length ? kpi("Phases", `${run.phases.filter((p) => p.status.state === "finished").length} of ${run.phases.length} finished`, "from the run's status.json") : null);
     document.getElementById("run-state")?.replaceChildren(badge(r.status.state));
     const tp = t?.throughput;
     if (tp) throughput.set(tp.t, [tp.per_minute]);
@@ -235,7 +244,6 @@ const COLUMNS = [
 ];
 
 async function rolloutsPage(page, name, params) {
-  setCrumbs([name, runHref(name)], ["Rollouts"]);
   const state = Object.fromEntries(params);
   const go = (changes) => {
     const next = { ...state, ...changes };
@@ -243,6 +251,7 @@ async function rolloutsPage(page, name, params) {
     location.hash = rolloutsHref(name, next);
   };
   const [data, run] = await Promise.all([api("rollouts", { run: name, ...state }), api("run", { run: name })]);
+  runCrumbs(run, name, ["Rollouts"]);
   page.append(h("h1", {}, name), runTabs(name, "rollouts", data.total));
 
   const select = (key, label, values) =>

@@ -93,10 +93,11 @@ export function comparisonsSection(groups) {
 export async function comparePage(page, names) {
   setCrumbs(["Compare"]);
   const c = await api("compare", { runs: names });
+  if (c.parent) setCrumbs([c.parent, runHref(c.parent)], ["Compare"]);
   const heads = () => [c.runs.map((r) => h("th", { class: "num" }, h("a", { href: runHref(r), title: r }, short(r)))),
     c.pairs.map((p) => h("th", { class: "num", title: `${p.to} minus ${p.from}, paired by task` }, `${short(p.to)} − ${short(p.from)}`))];
   page.append(h("h1", {}, "Comparison: ", c.runs.map(short).join(" → ")),
-    h("p", { class: "lead" }, `The same tasks evaluated ${c.runs.length} times (${c.reports.map((r, i) => `${short(c.runs[i])}: ${r.harness}, ${r.n} runs per task`).join("; ")}). ` +
+    h("p", { class: "lead" }, `The same tasks evaluated ${c.runs.length} times (${c.reports.map((r, i) => `${short(c.runs[i])}: ${r.tasks} with ${r.harness}, ${r.n} runs per task`).join("; ")}). ` +
       `Each difference is later minus earlier, with its ${c.interval}; green when the whole interval is above zero, red when below.`));
   page.append(section("Overall", "Each evaluation's estimate [95% interval] as its report.json has it, then the paired differences.",
     h("table", { class: "grid evals compare-overall" },
