@@ -7,8 +7,9 @@ test-artifacts/ui/.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,14 @@ PHASES = [
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make demo-quick`'s run (python -m openforgerl.demo --quick --no-progress) into a fresh folder."""
+    """`make demo-quick`'s command into a fresh folder (its own process: the browser's Playwright
+    runs an event loop in this one)."""
     out = tmp_path_factory.mktemp("runs") / "demo-quick"
-    cfg = dataclasses.replace(demo.DemoConfig(out=out), **demo.QUICK, progress=False)  # type: ignore[arg-type]
-    demo.run(cfg)
+    argv = [sys.executable, "-m", "openforgerl.demo", "--quick", "--no-progress", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # It ends with the command that opens this story in the viewer.
+    assert done.stdout.rstrip().splitlines()[-1] == demo.viewer_line(out)
     return out
 
 
@@ -160,6 +165,25 @@ def test_runs_list_shows_one_demo_run_with_its_phases(browser: Any, url: str) ->
     assert page.locator("table.phases tbody tr").count() == len(PHASES) + 1
     assert page.locator("ul.comparisons li").count() == 4
     shot(page, "11-demo-run", full_page=True)
+    # RL: one run, finished, its GRPO steps a table of their own (not rows of the runs list).
+    page.click("table.phases a:text-is('rl')")
+    page.wait_for_selector("table.steps")
+    assert page.locator("#run-state .badge").inner_text() == "finished"
+    assert page.locator("table.steps tbody tr td:first-child").all_inner_texts() == ["rl-step1", "rl-step2"]
+    assert page.locator('.chart[data-chart="Reward and pass rate"][data-points="2"]').count() == 1
+    shot(page, "15-rl-steps", full_page=True)
+    page.click("table.steps a:text-is('rl-step2')")
+    page.wait_for_selector("table.rollouts tbody tr.link")
+    assert page.locator("table.rollouts tbody tr").count() == 4  # 2 tasks x G=2
+    assert page.locator("#crumbs").inner_text().split() == [
+        "Runs",
+        "›",
+        "demo-quick/rl",
+        "›",
+        "rl-step2",
+        "›",
+        "Rollouts",
+    ]
     assert errors == []
 
 

@@ -149,7 +149,7 @@ def metrics_after(rows: list[dict[str, Any]], after: float | None) -> list[dict[
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    for name in ("config.json", "config.yaml", "config.yml"):
+    for name in ("config.json", "config.yaml", "config.yml", "run.json"):  # run.json: openforge train's
         path = folder / name
         if path.is_file():
             with contextlib.suppress(ValueError, yaml.YAMLError, OSError):

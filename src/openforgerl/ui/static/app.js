@@ -86,10 +86,13 @@ function kpi(label, value, hint) {
   return h("div", { class: "kpi", title: hint }, h("div", { class: "kpi-label" }, label), h("div", { class: "kpi-value" }, value));
 }
 
-function runTabs(run, active, total, hasStore = true) {
+function runTabs(run, active, total, info) {
+  if (info && !info.store) return h("div", { class: "tabs" }, h("a", { href: runHref(run), class: "on" }, "Overview"));
+  // A trainer's run: its rollouts tab is its last step's (each step's are in the Steps table).
+  const of = info?.step_runs?.length ? ` of ${info.run_id}` : "";
   return h("div", { class: "tabs" },
     h("a", { href: runHref(run), class: active === "overview" ? "on" : "" }, "Overview"),
-    hasStore ? h("a", { href: rolloutsHref(run), class: active === "rollouts" ? "on" : "" }, `Rollouts${total !== undefined ? ` (${fmt.int(total)})` : ""}`) : null);
+    h("a", { href: rolloutsHref(run), class: active === "rollouts" ? "on" : "" }, `Rollouts${of}${total !== undefined ? ` (${fmt.int(total)})` : ""}`));
 }
 
 // Breadcrumbs of a run: the run it is a phase or a step of first.
@@ -103,7 +106,7 @@ function phasesSection(phases) {
   if (!phases?.length) return null;
   return section("Phases", "What the run did, in order, each with its state from the run's own record (status.json).",
     h("table", { class: "grid phases" },
-      h("thead", {}, h("tr", {}, ["phase", "status", "seconds", "reward", "pass@1 / pass rate", "rollouts"].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, ["phase", "status"].map((t) => h("th", {}, t)), ["seconds", "reward", "pass@1 / pass rate", "rollouts"].map((t) => h("th", { class: "num" }, t)))),
       h("tbody", {}, phases.map((p) => {
         const m = p.last_metrics || {};
         return h("tr", { dataset: { phase: p.phase } },
@@ -121,7 +124,7 @@ function stepsSection(steps) {
   if (!steps?.length) return null;
   return section("Steps", "Each training step's rollouts (the gateway records them under one run_id per step).",
     h("table", { class: "grid steps" },
-      h("thead", {}, h("tr", {}, ["step", "rollouts", "mean reward", "pass rate"].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, h("th", {}, "step"), ["rollouts", "mean reward", "pass rate"].map((t) => h("th", { class: "num" }, t)))),
       h("tbody", {}, steps.map((s) => h("tr", { class: "link", onclick: () => (location.hash = rolloutsHref(s.name)) },
         h("td", {}, h("a", { href: rolloutsHref(s.name) }, s.run_id)),
         h("td", { class: "num" }, fmt.int(s.totals?.rollouts)),
@@ -134,7 +137,7 @@ async function runPage(page, name) {
   const [run, metrics] = await Promise.all([api("run", { run: name }), api("metrics", { run: name })]);
   runCrumbs(run, name);
   const head = h("div", { class: "kpis" });
-  page.append(h("h1", {}, name, " ", h("span", { id: "run-state" }, badge(run.status.state))), runTabs(name, "overview", run.totals?.rollouts, !!run.store), head);
+  page.append(h("h1", {}, name, " ", h("span", { id: "run-state" }, badge(run.status.state))), runTabs(name, "overview", run.totals?.rollouts, run), head);
   page.append(phasesSection(run.phases) || [], comparisonsSection(run.comparisons) || [], stepsSection(run.step_runs) || []);
   const own = run.evals.find((e) => e.path === "report.json");
   if (own) page.append(...evaluationSections(name, own.report));
@@ -177,14 +180,15 @@ async function runPage(page, name) {
       kpi("Pass rate", fmt.pct(m.pass_rate ?? t?.pass_rate ?? r.report?.pass_rate), "share of rollouts with reward ≥ 1"),
       kpi("Rollouts", t ? `${fmt.int(t.scored)} scored / ${fmt.int(t.rollouts)}` : "–"),
       kpi("Runner", Object.entries(r.progress).map(([k, v]) => `${k} ${v}`).join(" · ") || "–", "the runner's own record (runner.db)"),
-      run.phases?.length ? kpi("Phases", `${run.phases.filter((p) => p.status.state === "finished").length} of ${run.phases.length} finished`, "from the run's status.json") : null);
+      ...(run.phases?.length ? [kpi("Phases", `${run.phases.filter((p) => p.status.state === "finished").length} of ${run.phases.length} finished`, "from the run's status.json")] : []));
     document.getElementById("run-state")?.replaceChildren(badge(r.status.state));
     const tp = t?.throughput;
     if (tp) throughput.set(tp.t, [tp.per_minute]);
   };
   fill(run);
 
-  if (!own || run.evals.length > 1) page.append(evalSection(run.evals));
+  // A phase without eval reports (SFT, RL in the demo) says nothing about them.
+  if ((!own || run.evals.length > 1) && (run.evals.length || !run.parent)) page.append(evalSection(run.evals));
   page.append(section("Configuration", null, kv([
     ["run folder", run.folder], ["store", run.store], ["run_id", run.run_id],
     ["tokenizer", run.model || "none: token ids are shown undecoded (pass --model DIR)"]]),
@@ -252,7 +256,7 @@ async function rolloutsPage(page, name, params) {
   };
   const [data, run] = await Promise.all([api("rollouts", { run: name, ...state }), api("run", { run: name })]);
   runCrumbs(run, name, ["Rollouts"]);
-  page.append(h("h1", {}, name), runTabs(name, "rollouts", data.total));
+  page.append(h("h1", {}, name), runTabs(name, "rollouts", data.total, run));
 
   const select = (key, label, values) =>
     h("label", {}, label, h("select", { onchange: (e) => go({ [key]: e.target.value, page: "" }) },
