@@ -180,3 +180,30 @@ def test_the_comparison_is_the_reports_paired_gain() -> None:
     assert t4["differences"] == [0.5] and t4["successes"] == [0, 1] and t4["tags"] == ["even"]
     with pytest.raises(ValueError, match="same tasks"):
         compare_reports([("sft", sft), ("other", _eval_report({"t0": 1.0, "x9": 0.0}))])
+
+
+def test_a_demo_from_before_status_json_reads_its_timings(tmp_path: Path) -> None:
+    """A run folder made before status.json existed: its timings.json (the demo's record of each
+    finished phase, in the order they ran) gives the phases' states and order."""
+    run = tmp_path / "old-demo"
+    for stage, value in (("sft", 0.25), ("rl", 0.75)):  # alphabetically rl comes first
+        (run / "eval" / stage).mkdir(parents=True)
+        (run / "eval" / stage / "report.json").write_text(json.dumps(_eval_report({"t0": value, "t1": 0.0})))
+    (run / "sft").mkdir()
+    (run / "sft" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run / "unlisted").mkdir()
+    (run / "unlisted" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (run / "timings.json").write_text(json.dumps({"sft": 3.0, "eval-sft": 1.0, "eval-rl": 1.0}))
+    (run / "report.json").write_text("{}")
+    with TestClient(build_app(ViewerConfig(runs=tmp_path)), base_url="http://127.0.0.1") as client:
+        (found,) = client.get("/api/runs").json()["runs"]
+        assert found["name"] == "old-demo" and found["status"]["source"] == "report.json"
+        phases = [(p["phase"], p["status"]["state"], p["status"]["source"]) for p in found["phases"]]
+        assert phases == [
+            ("sft", "finished", "the run's timings.json"),
+            ("eval/sft", "finished", "the run's timings.json"),
+            ("eval/rl", "finished", "the run's timings.json"),
+            ("unlisted", "unknown", "no status.json"),  # nothing says: not guessed from file times
+        ]
+        demo_run = client.get("/api/run", params={"run": "old-demo"}).json()
+        assert [g["runs"] for g in demo_run["comparisons"]] == [["old-demo/eval/sft", "old-demo/eval/rl"]]

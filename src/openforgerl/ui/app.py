@@ -35,6 +35,7 @@ from openforgerl.ui.runs import (
     model_dir_of,
     phases_of,
     read_config,
+    read_json,
     report_headline,
     run_folders,
     run_status,
@@ -180,6 +181,11 @@ class Viewer:
             folder = phase.get("folder")
             if isinstance(folder, str) and (parent.folder / folder).resolve() == run.folder.resolve():
                 return phase
+        # A demo from before status.json: timings.json has the seconds of each phase that finished.
+        timings = read_json(parent.folder / "timings.json")
+        key = run.name.removeprefix(f"{parent.name}/").replace("/", "-")
+        if isinstance(timings, dict) and key in timings:
+            return {"state": "finished", "seconds": timings[key], "source": "the run's timings.json"}
         return None
 
     def run_overview(self, run: Run, *, detail: bool) -> dict[str, Any]:
@@ -246,7 +252,15 @@ class Viewer:
             out.append(self._phase_row(label, phase, run))
             if run is not None:
                 named.add(run.name)
-        for run in below:
+        # A demo from before status.json: its timings.json names the phases in the order they ran.
+        timings = read_json(top.folder / "timings.json") if top.folder else None
+        order = list(timings) if isinstance(timings, dict) else []
+
+        def ran(run: Run) -> int:
+            key = run.name.removeprefix(f"{top.name}/").replace("/", "-")
+            return order.index(key) if key in order else len(order)
+
+        for run in sorted(below, key=ran):
             if run.name not in named:
                 out.append(self._phase_row(run.name.removeprefix(f"{top.name}/"), None, run))
         return out

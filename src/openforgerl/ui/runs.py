@@ -172,7 +172,7 @@ def model_dir_of(config: dict[str, Any]) -> Path | None:
     return None
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -187,7 +187,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
     seen: set[Path] = set()
     own = folder / "report.json"
     if own.is_file():
-        report = _read_json(own)
+        report = read_json(own)
         if isinstance(report, dict) and "summary" in report:  # an evaluation's (not the demo's)
             out.append({"name": "this run", "step": None, "path": "report.json", "report": report})
             seen.add(own.resolve())
@@ -206,7 +206,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
                 if full.is_dir():
                     full = full / "report.json"
                 seen.add(full)
-                report = _read_json(full)
+                report = read_json(full)
             if isinstance(report, dict):
                 name = str(entry.get("name") or path or f"eval {len(out) + 1}")
                 out.append({"name": name, "step": entry.get("step"), "path": path, "report": report})
@@ -216,7 +216,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
         if p.resolve() not in seen
     ]
     for path in sorted(found, key=lambda p: p.stat().st_mtime):
-        report = _read_json(path)
+        report = read_json(path)
         if isinstance(report, dict):
             name = path.parent.name.removeprefix("eval-")
             out.append({"name": name, "step": None, "path": str(path.relative_to(folder)), "report": report})
@@ -225,7 +225,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
 
 def report_headline(folder: Path) -> dict[str, Any] | None:
     """Mean reward, pass@1 and rollouts of the run's own report.json (an eval run), for the run list."""
-    report = _read_json(folder / "report.json")
+    report = read_json(folder / "report.json")
     if not isinstance(report, dict):
         return None
     summary = report.get("summary") or {}
@@ -268,7 +268,7 @@ def run_status(
         return {**own, "state": effective_state(own), "source": "status.json", "changed_at": at}
     if phase is not None:
         at = phase.get("finished_at") or phase.get("started_at")
-        return {**phase, "source": "the run's status.json", "changed_at": at}
+        return {"source": "the run's status.json", **phase, "changed_at": at}
     if folder is not None and (folder / "report.json").is_file():
         return {"state": "finished", "source": "report.json", "changed_at": None}
     if progress.get("running") or progress.get("pending") or open_rollouts:
