@@ -422,15 +422,6 @@ def lag_bound(
 def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
     """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary. The run
     folder's status.json says running, then finished, failed or interrupted (openforgerl.run_status)."""
-    if not resume and (opts.out / RUN_FILE).exists():  # another run's folder: its status is left alone
-        raise FileExistsError(
-            f"{opts.out} already holds a run: resume it with --resume, or pick another --out"
-        )
-    with recording(opts.out, "train", tasks=opts.tasks, harness=opts.harness, steps=opts.steps):
-        return _train(opts, resume=resume)
-
-
-def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     if opts.max_lag < 0:
         raise ValueError(f"max_lag must be at least 0, not {opts.max_lag}")
     if opts.max_gen_batches < 1:
@@ -440,12 +431,17 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
             "dynamic sampling (max_gen_batches > 1) keeps mixed groups only: it cannot "
             "also train on equal-reward groups (drop_zero_variance=False)"
         )
-    harness = harness_choice(opts)  # an unknown harness fails here, before a model is loaded
-    run_dir = opts.out
-    if not resume and (run_dir / RUN_FILE).exists():
+    if not resume and (opts.out / RUN_FILE).exists():  # another run's folder: its status is left alone
         raise FileExistsError(
-            f"{run_dir} already holds a run: resume it with --resume, or pick another --out"
+            f"{opts.out} already holds a run: resume it with --resume, or pick another --out"
         )
+    with recording(opts.out, "train", tasks=opts.tasks, harness=opts.harness, steps=opts.steps):
+        return _train(opts, resume=resume)
+
+
+def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
+    harness = harness_choice(opts)  # an unknown harness fails here, before a model is loaded
+    run_dir = opts.out  # train() refused another run's folder already
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_FILE).write_text(json.dumps(opts.to_json(), indent=2))
     train_tasks = training_tasks(opts)
