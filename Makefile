@@ -121,7 +121,8 @@ test-real-model: $(STAMP) $(VLLM_STAMP)
 	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model*.py \
 	  tests/test_gateway_openai.py tests/test_gateway_anthropic.py tests/test_gateway_responses.py tests/test_gateway_gemini.py
 
-## The viewer (`openforge view`) in a real browser: tests/test_ui.py, marker `ui`. Debian's Chromium
+## The viewer (`openforge view`) in a real browser: tests/test_ui.py, and tests/test_ui_demo.py on a
+## real demo-quick run folder (its phases, an evaluation, the before/after comparison), marker `ui`. Debian's Chromium
 ## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver
 ## ships in the wheel; no browser download). Screenshots go to test-artifacts/ui/. Also the GUI
 ## harness (tests/test_web.py): a scripted policy drives the web-basic sites in local sandboxes; and
@@ -135,7 +136,7 @@ test-ui: $(STAMP)
 	  { echo "Chromium is missing: as root, apt-get install chromium" >&2; exit 1; }
 	@$(BIN)/pip show playwright 2>/dev/null | grep -qx 'Version: $(PLAYWRIGHT_VERSION)' || \
 	  $(BIN)/pip install -q playwright==$(PLAYWRIGHT_VERSION)
-	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_ui_images.py tests/test_web.py tests/test_gui_e2e.py tests/test_sandbox_network.py
+	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_ui_images.py tests/test_ui_demo.py tests/test_web.py tests/test_gui_e2e.py tests/test_sandbox_network.py
 
 ## The viewer's front end is plain ES modules with uPlot vendored from its npm tarball: this fetches
 ## the tarball again, checks it against the recorded integrity and copies the same files

@@ -107,6 +107,28 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         assert row in md
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # The run's own record of its state (the viewer reads it): every phase finished, in order; the
+    # evaluations and RL wrote theirs too.
+    status = json.loads((out / "status.json").read_text())
+    assert status["kind"] == "demo" and status["state"] == "finished"
+    assert list(status["phases"]) == [
+        "model",
+        "teacher",
+        "eval-before-faults",
+        "sft",
+        *(f"eval-sft{s}" for s in ("-faults", "-faults-greedy", "", "-greedy")),
+        "rl",
+        *(f"eval-rl{s}" for s in ("-faults", "-faults-greedy", "", "-greedy")),
+        "report",
+    ]
+    assert {p["state"] for p in status["phases"].values()} == {"finished"}
+    assert status["phases"]["eval-rl-faults"]["folder"] == "eval/rl-faults"
+    for folder in ("rl", "eval/rl-faults"):
+        assert json.loads((out / folder / "status.json").read_text())["state"] == "finished", folder
+    assert demo.viewer_line(out).endswith(
+        f"openforge view --runs {out} --model {out / 'model'}  (then http://127.0.0.1:8600/#/run/demo)"
+    )
+
     # A rerun finds every phase done: no rollout, no training, the same numbers.
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in {".json", ".jsonl", ".db"}}
     again = demo.run(cfg)
@@ -117,4 +139,6 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
         for p, t in stamps.items()
         if p.stat().st_mtime_ns != t and p.name not in {"report.json", "timings.json"}
     ]
-    assert changed == []
+    assert changed == [out / "status.json"]  # the rerun's own record; no phase's
+    again_status = json.loads((out / "status.json").read_text())
+    assert again_status["phases"] == status["phases"] | {"report": again_status["phases"]["report"]}

@@ -286,10 +286,16 @@ def test_unknown_rollout_endpoint_and_missing_ids_are_clear_errors(api: TestClie
 
 
 def test_runs_and_run_overview(api: TestClient, run_dir: tuple[Path, dict[str, str]]) -> None:
+    # One run; its eval folders are its phases, not runs of their own.
     runs = {r["name"]: r for r in api.get("/api/runs").json()["runs"]}
-    assert set(runs) == {RUN, f"{RUN}/eval-before-sft", f"{RUN}/eval-after-sft", f"{RUN}/eval-after-rl"}
-    after_rl = runs[f"{RUN}/eval-after-rl"]
-    assert after_rl["status"]["state"] == "finished" and after_rl["report"]["reward_mean"] == 0.7
+    assert set(runs) == {RUN}
+    phases = {p["phase"]: p for p in runs[RUN]["phases"]}
+    assert set(phases) == {"eval-after-rl", "eval-after-sft", "eval-before-sft"}
+    after_rl = phases["eval-after-rl"]
+    assert after_rl["run"] == f"{RUN}/eval-after-rl"
+    # No status.json: an eval folder that wrote its report finished.
+    assert after_rl["status"] == {"state": "finished", "source": "report.json", "changed_at": None}
+    assert after_rl["report"]["reward_mean"] == 0.7
     run = api.get("/api/run", params={"run": RUN}).json()
     assert run["steps"] == STEPS and run["last_metrics"]["reward_mean"] == 0.8
     assert "note" not in run["last_metrics"]
@@ -300,7 +306,8 @@ def test_runs_and_run_overview(api: TestClient, run_dir: tuple[Path, dict[str, s
     }
     assert [e["name"] for e in run["evals"]] == ["before-sft", "after-sft", "after-rl"]
     assert run["config"]["algorithm"] == "grpo" and run["model"] == run["config"]["model_dir"]
-    assert run["status"]["state"] == "active"  # its files were just written
+    # No status.json: the store's open rollout says it runs (never a file's mtime).
+    assert run["status"] == {"state": "running", "source": "store", "changed_at": None}
 
 
 def test_metrics_are_read_incrementally(api: TestClient, run_dir: tuple[Path, dict[str, str]]) -> None:

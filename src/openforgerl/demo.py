@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from openforgerl.run_status import RunRecord, recording
+
 SUITE = "tools-tiny"
 # The same tasks, half of them with one transient fault (the first read of one input file fails):
 # GRPO trains on its train tasks, and every model is evaluated on its held-out tasks with the faults
@@ -111,13 +113,23 @@ QUICK = {
 }
 
 
-def _phase(name: str, done: bool, seconds: dict[str, float], fn: Callable[[], Any]) -> None:
+def _phase(
+    record: RunRecord,
+    name: str,
+    folder: str,
+    done: bool,
+    seconds: dict[str, float],
+    fn: Callable[[], Any],
+) -> None:
+    """One phase, its output in `folder` (relative to the run), recorded in the run's status.json."""
     if done:
         print(f"[{name}] done already: skipped", flush=True)
+        record.skipped(name, folder)
         return
     print(f"[{name}] ...", flush=True)
     t0 = time.monotonic()
-    fn()
+    with record.phase(name, folder):
+        fn()
     seconds[name] = round(time.monotonic() - t0, 1)
     print(f"[{name}] {seconds[name]:.0f} s", flush=True)
 
@@ -152,17 +164,25 @@ def evaluate_model(
 
 
 def run(cfg: DemoConfig) -> dict[str, Any]:
-    """Run (or continue) every phase; returns the report (also written to the run folder)."""
+    """Run (or continue) every phase; returns the report (also written to the run folder). The run
+    folder's status.json records the demo's state and each phase's as they run (the viewer's story)."""
     from openforgerl.harnesses.launch import HarnessChoice
-    from openforgerl.modelkit import init_model
-    from openforgerl.rl.loop import TrainOptions, train
-    from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
-    from openforgerl.rl.trainer import TrainerConfig
     from openforgerl.tasks import load_tasks
 
     HarnessChoice(cfg.harness).check(load_tasks(SUITE)[:1])  # a missing CLI: said before any work
     out = cfg.out.resolve()
     cfg = dataclasses.replace(cfg, out=out)
+    with recording(out, "demo", harness=cfg.harness, seed=cfg.seed) as record:
+        return _run(cfg, record)
+
+
+def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
+    from openforgerl.modelkit import init_model
+    from openforgerl.rl.loop import TrainOptions, train
+    from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
+    from openforgerl.rl.trainer import TrainerConfig
+
+    out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     timings_path = out / "timings.json"
     seconds: dict[str, float] = json.loads(timings_path.read_text()) if timings_path.exists() else {}
@@ -174,6 +194,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         timings_path.write_text(json.dumps(seconds, indent=2))
 
     _phase(
+        record,
+        "model",
         "model",
         (model_dir / "config.json").exists(),
         seconds,
@@ -209,7 +231,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         write_samples(samples, teacher_file)  # last: its presence marks the phase done
         print(f"  the oracle teacher solved {len(samples)} train and {len(val)} held-out tasks", flush=True)
 
-    _phase("teacher", teacher_file.exists(), seconds, teacher)
+    _phase(record, "teacher", "teacher", teacher_file.exists(), seconds, teacher)
     save_timings()
 
     evals: dict[str, dict[str, Any]] = {}
@@ -223,7 +245,9 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             ):
                 report_file = out / "eval" / key / "report.json"
                 _phase(
+                    record,
                     f"eval-{key}",
+                    f"eval/{key}",
                     report_file.exists(),
                     seconds,
                     functools.partial(evaluate_model, cfg, model, key, greedy, suite),
@@ -255,7 +279,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         summary = trainer.fit(samples, sft_dir, val=val, progress=cfg.progress)
         sft_summary_file.write_text(json.dumps(summary, indent=2))
 
-    _phase("sft", sft_summary_file.exists(), seconds, sft)
+    _phase(record, "sft", "sft", sft_summary_file.exists(), seconds, sft)
     save_timings()
     run_eval_phase("sft", sft_dir)
 
@@ -282,15 +306,16 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         summary = train(opts, resume=(rl_dir / "run.json").exists())
         rl_summary_file.write_text(json.dumps(summary, indent=2))
 
-    _phase("rl", rl_summary_file.exists(), seconds, rl)
+    _phase(record, "rl", "rl", rl_summary_file.exists(), seconds, rl)
     save_timings()
     rl_model = Path(json.loads(rl_summary_file.read_text())["checkpoint"])
     run_eval_phase("rl", rl_model)
 
-    report = build_report(cfg, evals, seconds)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    plot_rewards(read_metrics(rl_dir), out / "reward_curve.png")
-    (out / "report.md").write_text(render_markdown(report))
+    with record.phase("report", "report.md"):
+        report = build_report(cfg, evals, seconds)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        plot_rewards(read_metrics(rl_dir), out / "reward_curve.png")
+        (out / "report.md").write_text(render_markdown(report))
     return report
 
 
@@ -553,6 +578,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def viewer_line(out: Path) -> str:
+    """The command that opens the run's story in the viewer: its phases, each evaluation, and the
+    before/after comparisons."""
+    return (
+        f"the whole run, phase by phase, and the before/after comparisons: "
+        f"openforge view --runs {out} --model {out / 'model'}  (then http://127.0.0.1:8600/#/run/{out.name})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/demo"))
@@ -569,6 +603,7 @@ def main(argv: list[str] | None = None) -> None:
     report = run(cfg)
     print((cfg.out / "report.md").read_text())
     print(f"report: {cfg.out / 'report.md'}; curve: {cfg.out / 'reward_curve.png'}")
+    print(viewer_line(cfg.out))
     if not report["evaluations"]:
         sys.exit(1)
 

@@ -27,6 +27,7 @@ from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.service import RolloutJob, RolloutService, embedded
 from openforgerl.rollouts.trajectory import token_stats
+from openforgerl.run_status import recording
 from openforgerl.tasks import Task, load_tasks
 
 
@@ -89,7 +90,13 @@ def harness_choice(opts: EvalOptions) -> HarnessChoice:
 
 
 def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
-    """pass@k, pass^k and mean reward (95% CI) over n >= k runs per task; writes report.json/.md."""
+    """pass@k, pass^k and mean reward (95% CI) over n >= k runs per task; writes report.json/.md,
+    and status.json as it runs (openforgerl.run_status)."""
+    with recording(opts.out, "eval", tasks=opts.tasks, harness=opts.harness):
+        return _run_eval(opts, engine)
+
+
+def _run_eval(opts: EvalOptions, engine: Engine | None) -> dict[str, Any]:
     t0 = time.monotonic()
     tasks = _select(opts)
     results = run_rollouts(opts, engine, tasks)
@@ -119,6 +126,8 @@ def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
         "tasks_without_k_scored_runs": sorted(set(r.task_id for r in results) - set(complete)),
         "summary": summary.to_dict() if summary else None,
         "by_tag": by_tag(summary, {t.id: t.tags for t in tasks}) if summary else {},
+        # Each task's tags (its family...): the viewer pairs two evaluations per tag with them.
+        "task_tags": {t.id: list(t.tags) for t in tasks},
         "tokens": {
             "prompt": sum(len(c.prompt_ids) for c in calls),
             "completion": sum(len(c.completion_ids) for c in calls),
@@ -190,11 +199,13 @@ def run_study(opts: EvalOptions, harnesses: list[str], engine: Engine | None = N
     for name in harnesses:  # every CLI is checked before the first evaluation starts
         harness_choice(dataclasses.replace(opts, harness=name)).check(tasks)
     reports = {}
-    for name in harnesses:
-        one = dataclasses.replace(
-            opts, harness=name, out=opts.out / name, run_id=f"{opts.run_id or opts.out.name}-{name}"
-        )
-        reports[name] = run_eval(one, engine)
+    with recording(opts.out, "study", tasks=opts.tasks) as record:
+        for name in harnesses:
+            one = dataclasses.replace(
+                opts, harness=name, out=opts.out / name, run_id=f"{opts.run_id or opts.out.name}-{name}"
+            )
+            with record.phase(name, name):
+                reports[name] = run_eval(one, engine)
     study = {"tasks": opts.tasks, "k": opts.k, "n": opts.n or opts.k, "seed": opts.seed, "harnesses": reports}
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "study.json").write_text(json.dumps(study, indent=2))

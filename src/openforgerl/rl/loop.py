@@ -9,6 +9,7 @@ weights of step k.
 
 Run folder:
     run.json                 the options (read back by --resume)
+    status.json              running, finished, failed or interrupted (openforgerl.run_status)
     gateway.db               every recorded call of every step (the trace viewer reads it)
     steps/NNNNNN/runner.db   the runner's state of step N: finished rollouts are never redone
     steps/NNNNNN/gen-B/      the same for generation batch B of step N (dynamic sampling)
@@ -94,6 +95,7 @@ from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import check_images
 from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
+from openforgerl.run_status import recording
 from openforgerl.tasks import Task, load_tasks
 
 RUN_FILE = "run.json"
@@ -419,7 +421,8 @@ def lag_bound(
 
 
 def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
-    """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary."""
+    """Run (or, with `resume`, continue) the loop up to `opts.steps`; returns a summary. The run
+    folder's status.json says running, then finished, failed or interrupted (openforgerl.run_status)."""
     if opts.max_lag < 0:
         raise ValueError(f"max_lag must be at least 0, not {opts.max_lag}")
     if opts.max_gen_batches < 1:
@@ -429,12 +432,17 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
             "dynamic sampling (max_gen_batches > 1) keeps mixed groups only: it cannot "
             "also train on equal-reward groups (drop_zero_variance=False)"
         )
-    harness = harness_choice(opts)  # an unknown harness fails here, before a model is loaded
-    run_dir = opts.out
-    if not resume and (run_dir / RUN_FILE).exists():
+    if not resume and (opts.out / RUN_FILE).exists():  # another run's folder: its status is left alone
         raise FileExistsError(
-            f"{run_dir} already holds a run: resume it with --resume, or pick another --out"
+            f"{opts.out} already holds a run: resume it with --resume, or pick another --out"
         )
+    with recording(opts.out, "train", tasks=opts.tasks, harness=opts.harness, steps=opts.steps):
+        return _train(opts, resume=resume)
+
+
+def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
+    harness = harness_choice(opts)  # an unknown harness fails here, before a model is loaded
+    run_dir = opts.out  # train() refused another run's folder already
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_FILE).write_text(json.dumps(opts.to_json(), indent=2))
     train_tasks = training_tasks(opts)

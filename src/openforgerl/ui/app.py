@@ -23,20 +23,25 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from openforgerl.jsonutil import dumps
+from openforgerl.run_status import read_status
 from openforgerl.store import CallRow, public_calls
 from openforgerl.store.view import DIGEST, MAX_PAGE_SIZE, SORTS, Filters, StoreView, failure_reason
+from openforgerl.ui.compare import comparable_groups, compare_reports, eval_key, read_report
 from openforgerl.ui.runs import (
     MetricsFile,
     Run,
     eval_reports,
     metrics_after,
     model_dir_of,
+    phases_of,
     read_config,
+    read_json,
     report_headline,
     run_folders,
     run_status,
     runner_progress,
     runner_record,
+    step_order,
     trainer_tokens,
 )
 from openforgerl.ui.tokens import token_view
@@ -127,18 +132,24 @@ class Viewer:
         runs: dict[str, Run] = {}
         main = self.cfg.store.resolve() if self.cfg.store else None
         claimed: set[str] = set()  # run_ids of the main store that a folder stands for
-        for name, folder in run_folders(self.cfg.runs) if self.cfg.runs else []:
+        for name, folder, parent in run_folders(self.cfg.runs) if self.cfg.runs else []:
             own = folder / "gateway.db"
             if own.is_file() and own.resolve() != main:
                 ids = self.store_view(own).run_ids()
-                # An eval's run_id is its folder's name; a store with one run_id is that run's.
-                primary = folder.name if folder.name in ids or not ids else ids[0]
-                runs[name] = Run(name, primary, folder, own)
-                for rid in ids:
-                    if rid != primary:
-                        runs[f"{name}#{rid}"] = Run(f"{name}#{rid}", rid, folder, own)
+                if folder.name in ids or len(ids) <= 1:
+                    # An eval's run_id is its folder's name; a store with one run_id is that run's.
+                    primary = folder.name if folder.name in ids or not ids else ids[0]
+                    runs[name] = Run(name, primary, folder, own, parent)
+                    others = [rid for rid in ids if rid != primary]
+                else:
+                    # A trainer's store: one run_id per step (rl-step1, rl-step2, ...), steps of one
+                    # run; the run's own rollouts are its last step's.
+                    others = sorted(ids, key=step_order)
+                    runs[name] = Run(name, others[-1], folder, own, parent, steps=others)
+                for rid in others:
+                    runs[f"{name}#{rid}"] = Run(f"{name}#{rid}", rid, folder, own, parent, step_of=name)
             else:
-                runs[name] = Run(name, folder.name, folder, main)
+                runs[name] = Run(name, folder.name, folder, main, parent)
                 claimed.add(folder.name)
         if main is not None:
             for rid in self.store_view(main).run_ids():
@@ -161,31 +172,112 @@ class Viewer:
             return self.cfg.model
         return model_dir_of(read_config(run.folder)) if run.folder else None
 
+    def phase_record(self, run: Run) -> dict[str, Any] | None:
+        """The run's entry in its parent's status.json phases (the demo records each phase)."""
+        parent = self.runs().get(run.parent) if run.parent else None
+        if parent is None or parent.folder is None or run.folder is None:
+            return None
+        for phase in phases_of(read_status(parent.folder)).values():
+            folder = phase.get("folder")
+            if isinstance(folder, str) and (parent.folder / folder).resolve() == run.folder.resolve():
+                return phase
+        # A demo from before status.json: timings.json has the seconds of each phase that finished.
+        timings = read_json(parent.folder / "timings.json")
+        key = run.name.removeprefix(f"{parent.name}/").replace("/", "-")
+        if isinstance(timings, dict) and key in timings:
+            return {"state": "finished", "seconds": timings[key], "source": "the run's timings.json"}
+        return None
+
     def run_overview(self, run: Run, *, detail: bool) -> dict[str, Any]:
         totals = self.store_view(run.store).run_totals(run.run_id) if run.store else None
-        progress = runner_progress(run.folder) if run.folder else {}
-        rows = self.metrics(run.folder).read() if run.folder else []
+        progress = runner_progress(run.folder) if run.folder and not run.step_of else {}
+        rows = self.metrics(run.folder).read() if run.folder and not run.step_of else []
         last = rows[-1] if rows else None
         open_rollouts = totals["by_status"].get("open", 0) if totals else 0
+        if run.step_of:
+            status = {"state": "finished" if not open_rollouts else "running", "source": "store"}
+        else:
+            status = run_status(run.folder, progress, open_rollouts, self.phase_record(run))
         out: dict[str, Any] = {
             "name": run.name,
             "run_id": run.run_id,
             "folder": str(run.folder) if run.folder else None,
             "store": str(run.store) if run.store else None,
-            "status": run_status(run.folder, progress, open_rollouts),
+            "parent": run.parent,
+            "step_of": run.step_of,
+            "status": status,
             "progress": progress,
             "totals": totals,
-            "steps": len({r["step"] for r in rows}),
+            "steps": len({r["step"] for r in rows}) or len(run.steps),
             "last_metrics": last,
-            "report": report_headline(run.folder) if run.folder else None,
+            "report": report_headline(run.folder) if run.folder and not run.step_of else None,
         }
         if detail:
             model = self.model_for(run)
             out["config"] = read_config(run.folder) if run.folder else {}
             out["model"] = str(model) if model else None
-            out["evals"] = eval_reports(run.folder) if run.folder else []
+            out["evals"] = eval_reports(run.folder) if run.folder and not run.step_of else []
             out["poll_seconds"] = self.cfg.poll_seconds
+            out["phases"] = self.phases(run)
+            out["step_runs"] = [
+                {
+                    "name": f"{run.name}#{rid}",
+                    "run_id": rid,
+                    "totals": self.store_view(run.store).run_totals(rid),
+                }
+                for rid in run.steps
+                if run.store
+            ]
+            out["comparisons"] = comparable_groups(
+                [(p["run"], p["eval"]) for p in out["phases"] if p.get("run") and p.get("eval")]
+            )
         return out
+
+    def phases(self, top: Run) -> list[dict[str, Any]]:
+        """The run's phases: those its status.json records, in its order (each with the run folder
+        it wrote, when that is a run), then the run folders below it that the record does not name."""
+        runs = self.runs()
+        below = [r for r in runs.values() if not r.step_of and r.folder and r.name.startswith(f"{top.name}/")]
+        by_folder = {r.folder.resolve(): r for r in below if r.folder}
+        out: list[dict[str, Any]] = []
+        named: set[str] = set()
+        recorded = phases_of(read_status(top.folder)) if top.folder else {}
+        for label, phase in recorded.items():
+            folder = phase.get("folder")
+            run = (
+                by_folder.get((top.folder / folder).resolve())
+                if top.folder and isinstance(folder, str)
+                else None
+            )
+            out.append(self._phase_row(label, phase, run))
+            if run is not None:
+                named.add(run.name)
+        # A demo from before status.json: its timings.json names the phases in the order they ran.
+        timings = read_json(top.folder / "timings.json") if top.folder else None
+        order = list(timings) if isinstance(timings, dict) else []
+
+        def ran(run: Run) -> int:
+            key = run.name.removeprefix(f"{top.name}/").replace("/", "-")
+            return order.index(key) if key in order else len(order)
+
+        for run in sorted(below, key=ran):
+            if run.name not in named:
+                out.append(self._phase_row(run.name.removeprefix(f"{top.name}/"), None, run))
+        return out
+
+    def _phase_row(self, label: str, phase: dict[str, Any] | None, run: Run | None) -> dict[str, Any]:
+        row: dict[str, Any] = {"phase": label, "run": run.name if run else None}
+        if run is not None:
+            overview = self.run_overview(run, detail=False)
+            row |= {
+                k: overview[k] for k in ("status", "steps", "last_metrics", "report", "totals", "progress")
+            }
+            row["eval"] = eval_key(run.folder) if run.folder else None
+        else:
+            at = (phase or {}).get("finished_at") or (phase or {}).get("started_at")
+            row["status"] = {**(phase or {}), "source": "the run's status.json", "changed_at": at}
+            row["folder"] = (phase or {}).get("folder")
+        return row
 
     def rollout(self, request: Request) -> tuple[Run, Any]:
         run = self.run(request)
@@ -255,7 +347,33 @@ def build_app(cfg: ViewerConfig) -> Starlette:
 
     def runs(request: Request) -> Response:
         found = viewer.runs(fresh=True)
-        return _json({"runs": [viewer.run_overview(r, detail=False) for r in found.values()]})
+        out = []
+        for r in found.values():
+            if r.parent is None and r.step_of is None:  # phases and steps are listed under their run
+                out.append(viewer.run_overview(r, detail=False) | {"phases": viewer.phases(r)})
+        return _json({"runs": out})
+
+    def compare(request: Request) -> Response:
+        names = [n for n in request.query_params.getlist("runs") if n]
+        if len(names) < 2:
+            raise ApiError(400, "name two or more evaluation runs: ?runs=A&runs=B", "runs")
+        reports, parents = [], set()
+        for name in names:
+            found = viewer.runs().get(name) or viewer.runs(fresh=True).get(name)
+            if found is None:
+                raise ApiError(404, f"no run named {name!r}", "runs")
+            report = read_report(found.folder) if found.folder else None
+            if not report or not report.get("summary"):
+                raise ApiError(
+                    400, f"run {name!r} has no evaluation report (report.json) with scores", "runs"
+                )
+            reports.append((name, report))
+            parents.add(found.parent)
+        try:
+            # The run they are phases of, when they share one (the demo's), for the breadcrumbs.
+            return _json(compare_reports(reports) | {"parent": parents.pop() if len(parents) == 1 else None})
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "runs") from None
 
     def run(request: Request) -> Response:
         return _json(viewer.run_overview(viewer.run(request), detail=True))
@@ -367,6 +485,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
             Route("/api/info", info),
             Route("/api/runs", runs),
             Route("/api/run", run),
+            Route("/api/compare", compare),
             Route("/api/metrics", metrics),
             Route("/api/rollouts", rollouts),
             Route("/api/rollout", rollout),

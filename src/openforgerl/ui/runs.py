@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from openforgerl.run_status import effective_state, read_status
 from openforgerl.store import run_state_progress, run_state_record
 
 # A folder holding any of these is a run.
@@ -28,7 +29,10 @@ RUN_FILES = (
     "status.json",
     "evals.jsonl",
 )
-ACTIVE_SECONDS = 120.0  # a run whose files changed this recently counts as active
+# Folders a run keeps for itself, never runs of their own: checkpoints, a trainer's per-step runner
+# records (rl/loop.py: steps/NNNNNN, evals/NNNNNN), tensorboard logs.
+NOT_RUNS = {"checkpoints", "steps", "evals", "tensorboard"}
+MAX_DEPTH = 4  # how deep under --runs run folders are looked for (the demo's are at demo/eval/NAME)
 
 
 @dataclass
@@ -37,24 +41,56 @@ class Run:
     run_id: str  # the rollouts' run_id in `store`
     folder: Path | None = None
     store: Path | None = None
+    parent: str | None = None  # the run folder this one is a phase of (None: a run of its own)
+    steps: list[str] = field(default_factory=list)  # the run_ids of its store, one per step
+    step_of: str | None = None  # the run this is one step of (its rollouts under one run_id)
+
+
+def is_model_folder(path: Path) -> bool:
+    """A model's folder (weights and tokenizer), whose config.json is the model's, not a run's."""
+    return (path / "tokenizer_config.json").is_file() and not any(
+        (path / f).exists() for f in RUN_FILES if not f.startswith("config.")
+    )
 
 
 def is_run_folder(path: Path) -> bool:
-    return path.is_dir() and any((path / f).exists() for f in RUN_FILES)
+    return path.is_dir() and any((path / f).exists() for f in RUN_FILES) and not is_model_folder(path)
 
 
-def run_folders(root: Path) -> Iterator[tuple[str, Path]]:
-    """(name, folder) of the runs under `root`: root itself, its children, and their eval-* folders."""
+def run_folders(root: Path) -> Iterator[tuple[str, Path, str | None]]:
+    """(name, folder, parent's name) of the run folders under `root`: root itself, and every run
+    folder below it (through plain folders such as the demo's eval/), MAX_DEPTH deep. A run folder
+    inside another is a phase of it: its parent is the nearest run folder above it."""
+
+    def below(
+        folder: Path, prefix: str, parent: str | None, depth: int
+    ) -> Iterator[tuple[str, Path, str | None]]:
+        if depth > MAX_DEPTH:
+            return
+        with contextlib.suppress(OSError):
+            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+            for child in children:
+                if child.name in NOT_RUNS:
+                    continue
+                name = f"{prefix}/{child.name}" if prefix else child.name
+                if is_run_folder(child):
+                    yield name, child, parent
+                    yield from below(child, name, name, depth + 1)
+                else:
+                    yield from below(child, name, parent, depth + 1)
+
     if is_run_folder(root):
-        yield root.resolve().name, root
-    if not root.is_dir():
-        return
-    for child in sorted(p for p in root.iterdir() if p.is_dir()):
-        if is_run_folder(child):
-            yield child.name, child
-        for sub in sorted(child.glob("eval-*")):
-            if is_run_folder(sub):
-                yield f"{child.name}/{sub.name}", sub
+        name = root.resolve().name
+        yield name, root, None
+        yield from below(root, name, name, 1)
+    elif root.is_dir():
+        yield from below(root, "", None, 1)
+
+
+def step_order(run_id: str) -> tuple[str, int, str]:
+    """rl-step2 before rl-step10: run_ids sorted by the number in them."""
+    m = re.match(r"^(.*?)(\d+)(\D*)$", run_id)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else (run_id, -1, "")
 
 
 def _finite(value: Any) -> bool:
@@ -113,7 +149,7 @@ def metrics_after(rows: list[dict[str, Any]], after: float | None) -> list[dict[
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    for name in ("config.json", "config.yaml", "config.yml"):
+    for name in ("config.json", "config.yaml", "config.yml", "run.json"):  # run.json: openforge train's
         path = folder / name
         if path.is_file():
             with contextlib.suppress(ValueError, yaml.YAMLError, OSError):
@@ -136,7 +172,7 @@ def model_dir_of(config: dict[str, Any]) -> Path | None:
     return None
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -145,14 +181,14 @@ def _read_json(path: Path) -> Any:
 
 def eval_reports(folder: Path) -> list[dict[str, Any]]:
     """The run's eval reports in display order: `evals.jsonl` (the trainer's list) first, in its
-    order, then the `eval-*/report.json` it did not name, oldest first; the run's own report.json
-    (an eval run) leads."""
+    order, then the `eval-*/report.json` and `eval/*/report.json` (the demo's) it did not name,
+    oldest first; the run's own report.json (an eval run) leads."""
     out: list[dict[str, Any]] = []
     seen: set[Path] = set()
     own = folder / "report.json"
     if own.is_file():
-        report = _read_json(own)
-        if isinstance(report, dict):
+        report = read_json(own)
+        if isinstance(report, dict) and "summary" in report:  # an evaluation's (not the demo's)
             out.append({"name": "this run", "step": None, "path": "report.json", "report": report})
             seen.add(own.resolve())
     listed = folder / "evals.jsonl"
@@ -170,13 +206,17 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
                 if full.is_dir():
                     full = full / "report.json"
                 seen.add(full)
-                report = _read_json(full)
+                report = read_json(full)
             if isinstance(report, dict):
                 name = str(entry.get("name") or path or f"eval {len(out) + 1}")
                 out.append({"name": name, "step": entry.get("step"), "path": path, "report": report})
-    found = [p for p in folder.glob("eval-*/report.json") if p.resolve() not in seen]
+    found = [
+        p
+        for p in [*folder.glob("eval-*/report.json"), *folder.glob("eval/*/report.json")]
+        if p.resolve() not in seen
+    ]
     for path in sorted(found, key=lambda p: p.stat().st_mtime):
-        report = _read_json(path)
+        report = read_json(path)
         if isinstance(report, dict):
             name = path.parent.name.removeprefix("eval-")
             out.append({"name": name, "step": None, "path": str(path.relative_to(folder)), "report": report})
@@ -185,7 +225,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
 
 def report_headline(folder: Path) -> dict[str, Any] | None:
     """Mean reward, pass@1 and rollouts of the run's own report.json (an eval run), for the run list."""
-    report = _read_json(folder / "report.json")
+    report = read_json(folder / "report.json")
     if not isinstance(report, dict):
         return None
     summary = report.get("summary") or {}
@@ -208,28 +248,49 @@ def runner_record(folder: Path | None, gateway_rollout_id: str) -> dict[str, Any
     return run_state_record(folder / "runner.db", gateway_rollout_id) if folder is not None else None
 
 
-def run_status(folder: Path | None, progress: dict[str, int], open_rollouts: int) -> dict[str, Any]:
-    """`status.json` when the run writes one, else inferred: finished (a report.json written after
-    everything else), active (files changed in the last two minutes, or the runner has rollouts
-    running), finished (an older report), or idle."""
-    if folder is not None and (folder / "status.json").is_file():
-        data = _read_json(folder / "status.json")
-        if isinstance(data, dict) and isinstance(data.get("state"), str):
-            return {**data, "source": "status.json"}
-    changed = report = 0.0
-    if folder is not None:
-        for name in ("metrics.jsonl", "runner.db-wal", "runner.db", "gateway.db-wal", "gateway.db"):
-            with contextlib.suppress(OSError):
-                changed = max(changed, (folder / name).stat().st_mtime)
-        with contextlib.suppress(OSError):
-            report = (folder / "report.json").stat().st_mtime
-    if report and report >= changed:
-        state = "finished"
-    elif time.time() - changed < ACTIVE_SECONDS or (progress.get("running") and open_rollouts):
-        state = "active"
-    else:
-        state = "finished" if report else "idle"
-    return {"state": state, "source": "inferred", "changed_at": max(changed, report) or None}
+FINAL_STATES = ("finished", "failed", "interrupted")
+
+
+def run_status(
+    folder: Path | None,
+    progress: dict[str, int],
+    open_rollouts: int,
+    phase: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run's state from its own record, never from file times (the viewer's reads may touch
+    them): its status.json (openforgerl.run_status; a "running" whose process is gone on this host:
+    interrupted); else its entry in its parent run's status.json phases (`phase`); else finished
+    when it wrote report.json; else running when the runner's record has rollouts pending or running
+    or the store has open ones; else finished when the runner's record is complete; else unknown."""
+    own = read_status(folder) if folder is not None else None
+    if own is not None:
+        at = own.get("finished_at") or own.get("started_at")
+        return {**own, "state": effective_state(own), "source": "status.json", "changed_at": at}
+    if phase is not None:
+        at = phase.get("finished_at") or phase.get("started_at")
+        return {"source": "the run's status.json", **phase, "changed_at": at}
+    if folder is not None and (folder / "report.json").is_file():
+        return {"state": "finished", "source": "report.json", "changed_at": None}
+    if progress.get("running") or progress.get("pending") or open_rollouts:
+        source = "runner.db" if progress.get("running") or progress.get("pending") else "store"
+        return {"state": "running", "source": source, "changed_at": None}
+    if progress:
+        return {"state": "finished", "source": "runner.db", "changed_at": None}
+    return {"state": "unknown", "source": "no status.json", "changed_at": None}
+
+
+def phases_of(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """A run's phases as its status.json records them, in order; those left running by a process
+    that is gone were interrupted with it."""
+    if status is None or not isinstance(status.get("phases"), dict):
+        return {}
+    gone = effective_state(status) == "interrupted"
+    out = {}
+    for name, phase in status["phases"].items():
+        if isinstance(phase, dict):
+            state = phase.get("state")
+            out[str(name)] = {**phase, "state": "interrupted" if gone and state == "running" else state}
+    return out
 
 
 @dataclass

@@ -3,12 +3,15 @@
 //   #/run/NAME                          one run's dashboard
 //   #/run/NAME/rollouts?sort=&page=...  its rollouts
 //   #/run/NAME/rollout/ID               one rollout: turns, verifier, samples, tokens
+//   #/compare?runs=A&runs=B             evaluations of the same tasks side by side
 import { LineChart, groupMetrics } from "./charts.js";
+import { comparePage, comparisonsSection, evaluationSections } from "./evals.js";
 import { leavePage, onLeave, poll, rolloutHref, rolloutsHref, runHref, setCrumbs } from "./nav.js";
 import { renderRollout } from "./rollout.js";
 import { api, badge, fmt, h, jsonBlock, kv, rewardCell, section } from "./util.js";
 
 const main = document.getElementById("main");
+const FINAL = ["finished", "failed", "interrupted"]; // a run in any other state is polled
 let routeToken = 0;
 
 // Sorting 100k rollouts needs the store indexes the viewer does not create unless asked.
@@ -34,6 +37,7 @@ async function route() {
     if (parts[0] === "run" && parts.length === 2) await runPage(page, parts[1]);
     else if (parts[0] === "run" && parts[2] === "rollouts") await rolloutsPage(page, parts[1], new URLSearchParams(query));
     else if (parts[0] === "run" && parts[2] === "rollout") await renderRollout(page, parts[1], parts[3]);
+    else if (parts[0] === "compare") await comparePage(page, new URLSearchParams(query).getAll("runs"));
     else await runsPage(page);
     await indexBanner();
   } catch (err) {
@@ -53,21 +57,27 @@ async function runsPage(page) {
     page.append(h("p", { class: "empty" }, "No runs found. Point the viewer at a gateway store (--store) or a runs folder (--runs)."));
     return;
   }
-  const rows = runs.map((r) => {
+  const row = (r, label, cls, href) => {
     const m = r.last_metrics || {};
     const reward = m.reward_mean ?? r.totals?.reward_mean ?? r.report?.reward_mean;
     const pass = m.pass_rate ?? r.totals?.pass_rate ?? r.report?.pass_rate;
-    return h("tr", { class: "link", onclick: () => (location.hash = runHref(r.name)) },
-      h("td", {}, h("a", { href: runHref(r.name) }, r.name)),
-      h("td", {}, badge(r.status.state)),
+    const status = r.status || {};
+    return h("tr", { class: `${cls}${href ? " link" : ""}`, dataset: { run: r.name || "" }, onclick: href ? () => (location.hash = href) : undefined },
+      h("td", {}, href ? h("a", { href }, label) : label),
+      h("td", {}, badge(status.state, status.error || `source: ${status.source}`)),
       h("td", { class: "num" }, r.steps ? fmt.int(r.steps) : "–"),
       h("td", { class: "num" }, rewardCell(reward)),
       h("td", { class: "num" }, fmt.pct(pass)),
       h("td", { class: "num" }, fmt.int(r.totals?.rollouts ?? r.report?.rollouts ?? null)),
-      h("td", {}, fmt.when(r.status.changed_at || r.totals?.last_closed)));
-  });
-  page.append(h("table", { class: "grid" },
-    h("thead", {}, h("tr", {}, ["Run", "Status", "Steps", "Reward", "Pass rate", "Rollouts", "Updated"].map((t) => h("th", {}, t)))),
+      h("td", {}, fmt.when(status.changed_at || r.totals?.last_closed)));
+  };
+  // A run, then its phases (the demo's model, teacher, SFT, RL, evaluations), each with its state.
+  const rows = runs.flatMap((r) => [
+    row(r, r.name, "run-row", runHref(r.name)),
+    ...(r.phases || []).map((p) => row({ ...p, name: p.run }, h("span", { class: "phase-name" }, "↳ ", p.phase), "phase-row", p.run ? runHref(p.run) : null)),
+  ]);
+  page.append(h("table", { class: "grid runs" },
+    h("thead", {}, h("tr", {}, ["Run / phase", "Status", "Steps", "Reward", "Pass rate", "Rollouts", "Updated"].map((t) => h("th", {}, t)))),
     h("tbody", {}, rows)));
 }
 
@@ -76,21 +86,68 @@ function kpi(label, value, hint) {
   return h("div", { class: "kpi", title: hint }, h("div", { class: "kpi-label" }, label), h("div", { class: "kpi-value" }, value));
 }
 
-function runTabs(run, active, total) {
+function runTabs(run, active, total, info) {
+  if (info && !info.store) return h("div", { class: "tabs" }, h("a", { href: runHref(run), class: "on" }, "Overview"));
+  // A trainer's run: its rollouts tab is its last step's (each step's are in the Steps table).
+  const of = info?.step_runs?.length ? ` of ${info.run_id}` : "";
   return h("div", { class: "tabs" },
     h("a", { href: runHref(run), class: active === "overview" ? "on" : "" }, "Overview"),
-    h("a", { href: rolloutsHref(run), class: active === "rollouts" ? "on" : "" }, `Rollouts${total !== undefined ? ` (${fmt.int(total)})` : ""}`));
+    h("a", { href: rolloutsHref(run), class: active === "rollouts" ? "on" : "" }, `Rollouts${of}${total !== undefined ? ` (${fmt.int(total)})` : ""}`));
+}
+
+// Breadcrumbs of a run: the run it is a phase or a step of first.
+function runCrumbs(run, name, ...rest) {
+  const up = run.step_of || run.parent;
+  if (!up) return setCrumbs([name, rest.length ? runHref(name) : null], ...rest);
+  return setCrumbs([up, runHref(up)], [name.slice(up.length).replace(/^[/#]/, ""), rest.length ? runHref(name) : null], ...rest);
+}
+
+function phasesSection(phases) {
+  if (!phases?.length) return null;
+  return section("Phases", "What the run did, in order, each with its state from the run's own record (status.json).",
+    h("table", { class: "grid phases" },
+      h("thead", {}, h("tr", {}, ["phase", "status"].map((t) => h("th", {}, t)), ["seconds", "reward", "pass@1 / pass rate", "rollouts"].map((t) => h("th", { class: "num" }, t)))),
+      h("tbody", {}, phases.map((p) => {
+        const m = p.last_metrics || {};
+        return h("tr", { dataset: { phase: p.phase } },
+          h("td", {}, p.run ? h("a", { href: runHref(p.run) }, p.phase) : p.phase),
+          h("td", {}, badge(p.status.state, p.status.error || `source: ${p.status.source}`)),
+          h("td", { class: "num" }, fmt.secs(p.status.seconds ?? (p.status.finished_at && p.status.started_at ? p.status.finished_at - p.status.started_at : null))),
+          h("td", { class: "num" }, rewardCell(m.reward_mean ?? p.report?.reward_mean ?? p.totals?.reward_mean)),
+          h("td", { class: "num" }, fmt.pct(m.pass_rate ?? p.report?.pass_rate ?? p.totals?.pass_rate)),
+          h("td", { class: "num" }, fmt.int(p.totals?.rollouts ?? p.report?.rollouts ?? null)));
+      }))));
+}
+
+// A trainer's steps: one run_id per step in its store, each step's rollouts a link away.
+function stepsSection(steps) {
+  if (!steps?.length) return null;
+  return section("Steps", "Each training step's rollouts (the gateway records them under one run_id per step).",
+    h("table", { class: "grid steps" },
+      h("thead", {}, h("tr", {}, h("th", {}, "step"), ["rollouts", "mean reward", "pass rate"].map((t) => h("th", { class: "num" }, t)))),
+      h("tbody", {}, steps.map((s) => h("tr", { class: "link", onclick: () => (location.hash = rolloutsHref(s.name)) },
+        h("td", {}, h("a", { href: rolloutsHref(s.name) }, s.run_id)),
+        h("td", { class: "num" }, fmt.int(s.totals?.rollouts)),
+        h("td", { class: "num" }, rewardCell(s.totals?.reward_mean)),
+        h("td", { class: "num" }, fmt.pct(s.totals?.pass_rate)))))));
 }
 
 async function runPage(page, name) {
   setCrumbs([name]);
   const [run, metrics] = await Promise.all([api("run", { run: name }), api("metrics", { run: name })]);
+  runCrumbs(run, name);
   const head = h("div", { class: "kpis" });
-  page.append(h("h1", {}, name, " ", h("span", { id: "run-state" }, badge(run.status.state))), runTabs(name, "overview", run.totals?.rollouts), head);
+  page.append(h("h1", {}, name, " ", h("span", { id: "run-state" }, badge(run.status.state))), runTabs(name, "overview", run.totals?.rollouts, run), head);
+  page.append(phasesSection(run.phases) || [], comparisonsSection(run.comparisons) || [], stepsSection(run.step_runs) || []);
+  const own = run.evals.find((e) => e.path === "report.json");
+  if (own) page.append(...evaluationSections(name, own.report));
 
   const curves = h("div", { class: "charts" });
   const rows = metrics.rows;
-  page.append(section("Training curves", "One point per training step, read from metrics.jsonl in the run folder; hover a chart for values.", curves));
+  // A run made of phases and without curves of its own (the demo) shows its phases instead.
+  if (rows.length || (!run.phases?.length && !own)) {
+    page.append(section("Training curves", "One point per training step, read from metrics.jsonl in the run folder; hover a chart for values.", curves));
+  }
   let charts = [];
   let keys = [];
   const drawCurves = () => {
@@ -109,7 +166,7 @@ async function runPage(page, name) {
   onLeave(() => charts.forEach((c) => c.destroy()));
 
   const throughputBox = h("div", { class: "charts" });
-  page.append(section("Rollouts finished per minute", "From the gateway store: when each rollout was closed.", throughputBox));
+  if (run.store) page.append(section("Rollouts finished per minute", "From the gateway store: when each rollout was closed.", throughputBox));
   const throughput = new LineChart(throughputBox, { title: "rollouts / min", keys: ["rollouts per minute"], xLabel: "time", xTime: true, height: 160 });
   onLeave(() => throughput.destroy());
 
@@ -122,20 +179,22 @@ async function runPage(page, name) {
       kpi("Reward", rewardCell(m.reward_mean ?? t?.reward_mean ?? r.report?.reward_mean), m.reward_mean !== undefined ? "reward_mean of the last step" : "mean reward of the run's scored rollouts"),
       kpi("Pass rate", fmt.pct(m.pass_rate ?? t?.pass_rate ?? r.report?.pass_rate), "share of rollouts with reward ≥ 1"),
       kpi("Rollouts", t ? `${fmt.int(t.scored)} scored / ${fmt.int(t.rollouts)}` : "–"),
-      kpi("Runner", Object.entries(r.progress).map(([k, v]) => `${k} ${v}`).join(" · ") || "–", "the runner's own record (runner.db)"));
+      kpi("Runner", Object.entries(r.progress).map(([k, v]) => `${k} ${v}`).join(" · ") || "–", "the runner's own record (runner.db)"),
+      ...(run.phases?.length ? [kpi("Phases", `${run.phases.filter((p) => p.status.state === "finished").length} of ${run.phases.length} finished`, "from the run's status.json")] : []));
     document.getElementById("run-state")?.replaceChildren(badge(r.status.state));
     const tp = t?.throughput;
     if (tp) throughput.set(tp.t, [tp.per_minute]);
   };
   fill(run);
 
-  page.append(evalSection(run.evals));
+  // A phase without eval reports (SFT, RL in the demo) says nothing about them.
+  if ((!own || run.evals.length > 1) && (run.evals.length || !run.parent)) page.append(evalSection(run.evals));
   page.append(section("Configuration", null, kv([
     ["run folder", run.folder], ["store", run.store], ["run_id", run.run_id],
     ["tokenizer", run.model || "none: token ids are shown undecoded (pass --model DIR)"]]),
     Object.keys(run.config).length ? jsonBlock(run.config) : h("p", { class: "empty" }, "No config.json or config.yaml in the run folder.")));
 
-  if (["active", "running"].includes(run.status.state)) {
+  if (!FINAL.includes(run.status.state)) {
     poll(run.poll_seconds, async () => {
       const last = rows.length ? rows[rows.length - 1].step : undefined;
       const [fresh, more] = await Promise.all([api("run", { run: name }), api("metrics", { run: name, after: last })]);
@@ -189,7 +248,6 @@ const COLUMNS = [
 ];
 
 async function rolloutsPage(page, name, params) {
-  setCrumbs([name, runHref(name)], ["Rollouts"]);
   const state = Object.fromEntries(params);
   const go = (changes) => {
     const next = { ...state, ...changes };
@@ -197,7 +255,8 @@ async function rolloutsPage(page, name, params) {
     location.hash = rolloutsHref(name, next);
   };
   const [data, run] = await Promise.all([api("rollouts", { run: name, ...state }), api("run", { run: name })]);
-  page.append(h("h1", {}, name), runTabs(name, "rollouts", data.total));
+  runCrumbs(run, name, ["Rollouts"]);
+  page.append(h("h1", {}, name), runTabs(name, "rollouts", data.total, run));
 
   const select = (key, label, values) =>
     h("label", {}, label, h("select", { onchange: (e) => go({ [key]: e.target.value, page: "" }) },
@@ -247,7 +306,7 @@ async function rolloutsPage(page, name, params) {
       btn("next ›", d.page + 1, d.page >= pages), btn("last »", pages, d.page >= pages));
   };
   fill(data);
-  if (["active", "running"].includes(run.status.state)) {
+  if (!FINAL.includes(run.status.state)) {
     poll(run.poll_seconds, async () => fill(await api("rollouts", { run: name, ...state })));
   }
 }

@@ -35,6 +35,8 @@ export const rolloutsHref = (run, params = {}) => {
   return `${runHref(run)}/rollouts${q ? `?${q}` : ""}`;
 };
 
+export const compareHref = (runs) => `#/compare?${runs.map((r) => `runs=${encodeURIComponent(r)}`).join("&")}`;
+
 export function setCrumbs(...items) {
   crumbs.replaceChildren(h("a", { href: "#/" }, "Runs"), ...items.flatMap(([text, href]) => [h("span", { class: "sep" }, "›"), href ? h("a", { href }, text) : h("span", {}, text)]));
 }

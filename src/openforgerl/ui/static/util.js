@@ -22,7 +22,10 @@ export class ApiError extends Error {}
 
 export async function api(path, params = {}) {
   const query = new URLSearchParams();
-  for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null && v !== "") query.set(k, v);
+  for (const [k, v] of Object.entries(params)) {
+    if (Array.isArray(v)) v.forEach((one) => query.append(k, one));
+    else if (v !== undefined && v !== null && v !== "") query.set(k, v);
+  }
   const response = await fetch(`/api/${path}?${query}`, { headers: { accept: "application/json" } });
   const body = await response.json().catch(() => ({}));
   if (!response.ok) throw new ApiError(body.error?.message || `${response.status} ${response.statusText}`);
@@ -52,8 +55,8 @@ export const fmt = {
 
 const STATUS_CLASS = {
   closed: "ok", done: "ok", finished: "ok", ok: "ok",
-  open: "run", running: "run", active: "run", pending: "muted", idle: "muted",
-  failed: "bad", cancelled: "bad", infra_failed: "bad", dropped: "warn", error: "bad", aborted: "bad",
+  open: "run", running: "run", active: "run", pending: "muted", idle: "muted", unknown: "muted",
+  failed: "bad", interrupted: "warn", cancelled: "bad", infra_failed: "bad", dropped: "warn", error: "bad", aborted: "bad",
 };
 
 export function badge(text, title) {
