@@ -314,7 +314,9 @@ class Stack:
     urls: dict[str, str] = field(default_factory=dict)
     crashes: list[dict[str, Any]] = field(default_factory=list)
 
-    def start_fake(self, name: str = "fake", token_delay_ms: float = 0.0) -> None:
+    def start_fake(
+        self, name: str = "fake", token_delay_ms: float = 0.0, completion_ids: list[int] | None = None
+    ) -> None:
         port = free_port()
         self.servers[name] = s = Server(
             name,
@@ -324,7 +326,7 @@ class Stack:
                 "--port",
                 str(port),
                 "--completion-ids",
-                json.dumps(self.completion_ids),
+                json.dumps(self.completion_ids if completion_ids is None else completion_ids),
                 "--token-delay-ms",
                 str(token_delay_ms),
             ],
@@ -654,8 +656,12 @@ def aggregate_point(point: Point, rounds: list[dict[str, dict[str, Any]]]) -> di
 
 # -- time to first token: each dialect's stream in front of an engine that decodes at a known pace --
 # What marks the first generated text in each stream (not its opening events, which go out at once).
+# The paced engine answers text (a tool call goes out whole once its closing tag is sampled, so a
+# call-only answer has no first token before its last); the fake's own chat stream, the direct path,
+# always streams its tool call, whose first event follows the first decode step.
+TTFT_TEXT = "Let me look at the failing test first, then read the module it imports and fix the bug."
 FIRST_TEXT = {
-    "direct": rb'"content":"[^"]',
+    "direct": rb'"tool_calls"',
     "openai": rb'"content":"[^"]',
     "anthropic": rb'"text_delta"',
     "gemini": rb'"text":"',
@@ -682,13 +688,13 @@ def _ttft_request(dialect: str, base: str, key: str) -> tuple[str, dict[str, str
     return base + "/v1/responses", {"authorization": f"Bearer {key}"}, orjson.dumps(body)
 
 
-def time_to_first_token(stack: Stack, requests: int) -> dict[str, Any]:
+def time_to_first_token(stack: Stack, requests: int, completion_ids: list[int]) -> dict[str, Any]:
     """Each dialect's time to first token through the gateway, against the same fake engine paced at
     TTFT_DELAY_MS per token, beside the engine's own (direct) TTFT: sequential streamed requests,
     the dialects interleaved, medians. The goal: within GOAL_TTFT_STEPS decode steps."""
     import re
 
-    stack.start_fake("fake-paced", TTFT_DELAY_MS)
+    stack.start_fake("fake-paced", TTFT_DELAY_MS, completion_ids)
     server, url = stack.gateway_server("gateway-paced", "gateway-paced.db", engine="fake-paced")
     stack.servers["gateway-paced"] = server
     server.start()
@@ -1138,7 +1144,8 @@ def main() -> None:
         report["foreign_connections"] = {k: s.foreign_connections() for k, s in stack.servers.items()}
         if not args.skip_ttft:
             log(f"time to first token per dialect, the engine decoding {TTFT_DELAY_MS:.0f} ms a token")
-            report["time_to_first_token"] = time_to_first_token(stack, 10 if args.quick else 30)
+            text_ids = [*tok.encode(TTFT_TEXT, add_special_tokens=False), completion_ids[-1]]
+            report["time_to_first_token"] = time_to_first_token(stack, 10 if args.quick else 30, text_ids)
         stack.servers.pop("gateway").stop()
         stack.servers.pop("litellm").stop()
         if "harness" in shapes:
