@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from openforgerl.testing.gateway import free_port
 
 ADMIN = "crash-admin"
 
 
-def start(model: Path, store: Path, port: int) -> subprocess.Popen[bytes]:
+def start(model: Path, store: Path, port: int, durability: str = "full") -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "openforgerl.cli", "gateway", "--model", str(model), "--port", str(port)]
-    cmd += ["--store", str(store), "--admin-token", ADMIN, "--max-tokens", "3"]
+    cmd += ["--store", str(store), "--admin-token", ADMIN, "--max-tokens", "3", "--durability", durability]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -34,10 +35,15 @@ def start(model: Path, store: Path, port: int) -> subprocess.Popen[bytes]:
     raise AssertionError("gateway did not start")
 
 
-def test_kill_9_under_load_loses_no_acknowledged_call(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("durability", ["full", "normal"])
+def test_kill_9_under_load_loses_no_acknowledged_call(
+    tiny_model_dir: Path, tmp_path: Path, durability: str
+) -> None:
+    """Both modes keep this promise: `normal` commits to the WAL (the OS has it when the answer goes
+    out) without the fsync that `full` adds for power loss."""
     store, port = tmp_path / "gw.db", free_port()
     url, admin = f"http://127.0.0.1:{port}", {"authorization": f"Bearer {ADMIN}"}
-    proc = start(tiny_model_dir, store, port)
+    proc = start(tiny_model_dir, store, port, durability)
     rollouts = [httpx.post(url + "/admin/rollouts", json={}, headers=admin).json() for _ in range(8)]
     acked: dict[str, list[list[int]]] = {r["rollout_id"]: [] for r in rollouts}
     histories: dict[str, list[Any]] = {}
@@ -77,7 +83,7 @@ def test_kill_9_under_load_loses_no_acknowledged_call(tiny_model_dir: Path, tmp_
     # The store opens cleanly and holds every call a client got an answer for.
     with sqlite3.connect(store) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    proc = start(tiny_model_dir, store, port)
+    proc = start(tiny_model_dir, store, port, durability)
     try:
         for ro in rollouts:
             calls = httpx.get(f"{url}/admin/rollouts/{ro['rollout_id']}/calls", headers=admin).json()["calls"]
