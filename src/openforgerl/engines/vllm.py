@@ -19,7 +19,7 @@ the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests
   `finish_reason` / `stop_reason` null until the last event (the first event also echoes
   `prompt_token_ids`), then `data: [DONE]`; a failure mid-generation is an event
   {"error": {..., "code": 500}}. The ids, logprobs and reasons gathered from the events equal the
-  plain answer's (tests/test_vllm_engine.py generates every finish reason both ways); `CompletionStream`
+  plain answer's (tests/test_vllm_engine.py generates every finish reason both ways); `VLLMStream`
   folds them into the same GenerateResult.
 - Logprobs follow the server's `--logprobs-mode`. The default `raw_logprobs` is the model's own
   distribution whatever the temperature; `processed_logprobs` is of logits / temperature after top-k /
@@ -313,8 +313,8 @@ class VLLMEngine(HTTPEngine):
     def parse_response(self, content: bytes, policy_version: int) -> GenerateResult:
         return parse_completion_response(content, policy_version)
 
-    def stream_parser(self, policy_version: int) -> CompletionStream:
-        return CompletionStream(policy_version)
+    def stream_parser(self, policy_version: int) -> VLLMStream:
+        return VLLMStream(policy_version)
 
     async def load_weights(self, path: str) -> int:
         """Reload the server's weights from `path` (a directory on the server's filesystem).
@@ -428,7 +428,7 @@ def parse_completion_response(content: bytes, policy_version: int) -> GenerateRe
         raise EngineError(f"vLLM returned an unexpected completion body: {text}") from e
 
 
-class CompletionStream:
+class VLLMStream:
     """A streamed `/v1/completions` answer folded into the same GenerateResult as the non-streamed one.
 
     vLLM 0.32 sends one event per step, `choices[0]` holding that step's new `token_ids`, their
