@@ -22,7 +22,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from openforgerl.engines.transformers_engine import TransformersEngine
-from openforgerl.gateway.dialects import responses as responses_dialect
+from openforgerl.gateway import http as gateway_http
 from openforgerl.gateway.dialects.responses import Context, Contexts, ToolSet
 from tests.conftest import CHAT_MODELS
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
@@ -658,7 +658,7 @@ def test_fuzzed_bodies_get_a_valid_response_or_a_well_formed_error(
 def test_websocket_keepalive_then_disconnect_aborts_the_generation(
     gw: Any, script: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(responses_dialect, "KEEPALIVE_S", 0.1)
+    monkeypatch.setattr(gateway_http, "KEEPALIVE_S", 0.1)  # the keep-alive pace of every stream
     gw.engine.delay = 30.0
     rollout = new_rollout(gw)
     headers = {"authorization": f"Bearer {rollout['api_key']}"}

@@ -479,7 +479,7 @@ class GatewayCore:
         plan = call.plan
         assert call.params is not None
         # A template that opens `<think>` itself leaves the completion inside the reasoning.
-        in_reasoning = prompt_opens_reasoning(self.renderer.decode(plan.prompt_ids[-8:]))
+        in_reasoning = prompt_opens_reasoning(plan.prompt_text[-64:])  # the rendered prompt's end
         stream = None
         if on_delta is not None:
             stop_ids = self.renderer.stop_token_ids

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import Response
@@ -200,20 +200,55 @@ class SSEResponse(Response):
     async def _stream(self, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self.first, "more_body": True})
-        pending: list[bytes] = []
-        ready = asyncio.Event()
 
-        def queue(events: bytes) -> None:
-            if events:
-                pending.append(events)
-                ready.set()
+        async def write(events: list[bytes]) -> None:
+            await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
 
-        task = asyncio.ensure_future(self.work(queue))
-        watcher = asyncio.ensure_future(until_disconnect(receive))
-        waiter: asyncio.Task[Any] | None = None
+        async def keepalive() -> None:
+            await send({"type": "http.response.body", "body": self.keepalive, "more_body": True})
+
+        relay: Relay[bytes] = Relay()
+        task = asyncio.ensure_future(self.work(lambda events: relay.put([events] if events else [])))
+        if not await relay.run(task, until_disconnect(receive), write, keepalive):
+            return
         try:
-            while not task.done():
-                waiter = asyncio.ensure_future(ready.wait())
+            closing = self._closing(task.result())
+        except Exception as exc:
+            closing = self._closing(exc)
+        await send({"type": "http.response.body", "body": closing, "more_body": False})
+
+
+_E = TypeVar("_E")
+
+
+class Relay(Generic[_E]):
+    """A running call's events, queued by plain callbacks (a token sink) and written by a coroutine as
+    they come: everything queued since the last write goes in one, `keepalive` when nothing came
+    for KEEPALIVE_S. The SSE response and the Responses WebSocket both stream through it."""
+
+    def __init__(self) -> None:
+        self.pending: list[_E] = []
+        self.ready = asyncio.Event()
+
+    def put(self, events: Sequence[_E]) -> None:
+        if events:
+            self.pending.extend(events)
+            self.ready.set()
+
+    async def run(
+        self,
+        task: asyncio.Future[Any],
+        gone: Awaitable[Any],
+        write: Callable[[list[_E]], Awaitable[None]],
+        keepalive: Callable[[], Awaitable[None]],
+    ) -> bool:
+        """Write `task`'s events until it is done and they are all written (True), or until `gone`
+        completes (the client left: the task is cancelled, False)."""
+        watcher = asyncio.ensure_future(gone)
+        waiter: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                waiter = asyncio.ensure_future(self.ready.wait())
                 done, _ = await asyncio.wait(
                     {task, watcher, waiter}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
                 )
@@ -222,23 +257,19 @@ class SSEResponse(Response):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, GatewayError):
                         await task
-                    return
-                if pending:  # everything sampled since the last send, in one write
-                    ready.clear()
-                    body = b"".join(pending)
-                    pending.clear()
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    return False
+                if self.pending:
+                    self.ready.clear()
+                    events = self.pending[:]
+                    self.pending.clear()
+                    await write(events)
                 elif not done:
-                    await send({"type": "http.response.body", "body": self.keepalive, "more_body": True})
+                    await keepalive()
+                if task.done() and not self.pending:
+                    return True
         finally:
             watcher.cancel()
             if waiter is not None:
                 waiter.cancel()
             if not task.done():
                 task.cancel()
-        try:
-            closing = self._closing(task.result())
-        except Exception as exc:
-            closing = self._closing(exc)
-        body = b"".join([*pending, closing])
-        await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -39,7 +39,6 @@ generation are `{"type": "error", "status", "error": {...}, "headers"}` frames, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -73,7 +72,7 @@ from openforgerl.gateway.core import CallOutcome, PreparedCall, Session, message
 from openforgerl.gateway.dialects import MAX_MESSAGES, MAX_TOOLS
 from openforgerl.gateway.dialects.openai_chat import error_body
 from openforgerl.gateway.errors import GatewayError, bad_request, load_image
-from openforgerl.gateway.http import KEEPALIVE_S, JSONResponse
+from openforgerl.gateway.http import JSONResponse, Relay
 from openforgerl.gateway.streaming import message_deltas
 from openforgerl.images import Image, image_from_file, image_from_url
 from openforgerl.store import Store
@@ -972,44 +971,13 @@ class _Socket:
     async def _run(self, prepared: PreparedCall, reply: Reply) -> CallOutcome | None:
         """Generate, sending the answer's events as it is sampled (`response.in_progress` as
         keep-alive while the engine is silent); None if the client went away."""
-        pending: list[dict[str, Any]] = []
-        ready = asyncio.Event()
 
-        def queue(delta: Delta) -> None:
-            pending.extend(reply.delta_events(delta))
-            ready.set()
+        async def keepalive() -> None:
+            await self._send([reply.event("response.in_progress", response=reply.response("in_progress"))])
 
-        task = asyncio.ensure_future(self.host.run(prepared, queue))
-        gone = asyncio.ensure_future(self.gone.wait())
-        waiter: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                waiter = asyncio.ensure_future(ready.wait())
-                done, _ = await asyncio.wait(
-                    {task, gone, waiter}, timeout=KEEPALIVE_S, return_when="FIRST_COMPLETED"
-                )
-                waiter.cancel()
-                if gone in done:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, GatewayError):
-                        await task
-                    return None
-                if pending:
-                    ready.clear()
-                    events = pending[:]
-                    pending.clear()
-                    await self._send(events)
-                elif not done:
-                    await self._send(
-                        [reply.event("response.in_progress", response=reply.response("in_progress"))]
-                    )
-                if task.done():
-                    if pending:
-                        await self._send(pending)
-                    return task.result()
-        finally:
-            gone.cancel()
-            if waiter is not None:
-                waiter.cancel()
-            if not task.done():
-                task.cancel()
+        relay: Relay[dict[str, Any]] = Relay()
+        task = asyncio.ensure_future(self.host.run(prepared, lambda d: relay.put(reply.delta_events(d))))
+        if not await relay.run(task, self.gone.wait(), self._send, keepalive):
+            return None
+        outcome: CallOutcome = task.result()
+        return outcome
