@@ -10,9 +10,6 @@ the backend cannot run (a task bound to its image, on the local backend), fails 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
-import stat
 import tempfile
 import time
 import uuid
@@ -25,6 +22,7 @@ from openforgerl.rollouts.runner import image_need
 from openforgerl.sandbox import Limits, Sandbox, SandboxBackend, SandboxError
 from openforgerl.sandbox.base import Network
 from openforgerl.tasks import Task
+from openforgerl.tasks.files import tree_digest
 from openforgerl.tasks.verify import VerifierError
 
 
@@ -52,27 +50,6 @@ class TaskCheck:
         verdict = "ok  " if self.ok else "FAIL"
         why = f": {self.problem}" if self.problem else ""
         return f"{verdict} {self.task_id}{shown} {self.seconds:.1f} s{why}"
-
-
-def tree_digest(top: Path) -> dict[str, str]:
-    """Each path under `top` -> a digest of what it is (a file's mode and bytes, a link's target)."""
-    out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for name in [*dirnames, *filenames]:
-            path = Path(dirpath, name)
-            rel = path.relative_to(top).as_posix()
-            st = path.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = "link " + os.readlink(path)
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = "dir"
-            else:
-                digest = hashlib.sha256()
-                with path.open("rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-                out[rel] = f"{stat.S_IMODE(st.st_mode):o} {digest.hexdigest()}"
-    return out
 
 
 async def _snapshot(sandbox: Sandbox) -> dict[str, str]:

@@ -1,7 +1,11 @@
-"""What every reader of task files shares: the error a bad file raises, JSON and JSONL records."""
+"""What every reader of task files shares: the error a bad file raises, JSON and JSONL records, and
+what a folder of task files holds (its digest, for checks and image tags)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +37,24 @@ def json_document(path: Path, kind: type, what: str) -> Any:
     if not isinstance(doc, kind):
         raise TaskError(f"{path}: expected {what}, got {type(doc).__name__}")
     return doc
+
+
+def tree_digest(top: Path) -> dict[str, str]:
+    """Each path under `top` -> a digest of what it is (a file's mode and bytes, a link's target)."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath, name)
+            rel = path.relative_to(top).as_posix()
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = "link " + os.readlink(path)
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = "dir"
+            else:
+                digest = hashlib.sha256()
+                with path.open("rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(block)
+                out[rel] = f"{stat.S_IMODE(st.st_mode):o} {digest.hexdigest()}"
+    return out

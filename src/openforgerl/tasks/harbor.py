@@ -28,15 +28,15 @@ image, tests go to /tests (`$TEST_DIR`), and run-tests.sh exiting 0 is reward 1.
 from __future__ import annotations
 
 import hashlib
-import os
 import tomllib
 from pathlib import Path
 from typing import Any
 
+import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
-from openforgerl.tasks.files import TaskError
+from openforgerl.tasks.files import TaskError, tree_digest
 from openforgerl.tasks.schema import CommandVerifier, Resources, Solution, Task
 
 WORKDIR = "/app"
@@ -154,20 +154,7 @@ def _instruction(path: Path) -> str:
 
 def _tree_digest(folder: Path) -> str:
     """A digest of a build context (names, modes, bytes, links): the image tag changes with it."""
-    digest = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
-        for name in sorted(filenames):
-            path = Path(dirpath, name)
-            digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
-            if path.is_symlink():
-                digest.update(b"link:" + os.readlink(path).encode())
-            else:
-                digest.update(oct(path.stat().st_mode).encode())
-                with path.open("rb") as f:
-                    for block in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(block)
-    return digest.hexdigest()[:12]
+    return hashlib.sha256(orjson.dumps(sorted(tree_digest(folder).items()))).hexdigest()[:12]
 
 
 def _image(folder: Path, docker_image: str | None, context: Path) -> tuple[str | None, Path | None]:
