@@ -265,11 +265,15 @@ def test_ptx_term_pulls_each_update_toward_the_demonstrations(
     with pytest.raises(ValueError, match="demonstrations"):
         Trainer(tiny_model_dir, TrainerConfig(ptx_coef=1.0), group_size=2)
     with pytest.raises(ValueError, match="ptx_data"):
-        ptx_demonstrations(TrainOptions(model=str(tiny_model_dir), out=Path("x"), trainer=cfg))
+        ptx_demonstrations(
+            TrainOptions(model=str(tiny_model_dir), out=Path("x"), temperature=0.7, trainer=cfg)
+        )
     with_image = tmp_path / "images.jsonl"
     row = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "image_digests": ["d" * 64]}
     with_image.write_text(json.dumps(row) + "\n")
-    opts = TrainOptions(model=str(tiny_model_dir), out=tmp_path, ptx_data=str(with_image), trainer=cfg)
+    opts = TrainOptions(
+        model=str(tiny_model_dir), out=tmp_path, temperature=0.7, ptx_data=str(with_image), trainer=cfg
+    )
     with pytest.raises(ValueError, match="images are not supported"):
         ptx_demonstrations(opts)
 
@@ -1018,3 +1022,19 @@ def test_cli_sft_with_lora_writes_a_merged_model(tiny_model_dir: Path, tmp_path:
         if not torch.equal(a, b)
     ]
     assert changed and all("embed" not in n and "norm" not in n for n in changed)
+
+
+def test_one_temperature_for_the_rollouts_and_the_trainers_logprobs(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from openforgerl.cli.train import train_cmd
+
+    opts = TrainOptions(model="m", out=tmp_path, temperature=0.7)
+    assert opts.trainer.temperature == 0.7  # the trainer takes the run's
+    assert TrainOptions.from_json(opts.to_json()).trainer.temperature == 0.7
+    with pytest.raises(ValueError, match="not the rollouts'"):
+        TrainOptions(model="m", out=tmp_path, temperature=1.0, trainer=TrainerConfig(temperature=0.7))
+    with pytest.raises(ValueError, match="above 0"):
+        TrainOptions(model="m", out=tmp_path, temperature=0.0)
+    result = CliRunner().invoke(train_cmd, ["--model", "m", "--out", str(tmp_path / "r"), "--temperature", "0"])
+    assert result.exit_code != 0 and "--temperature" in result.output

@@ -40,6 +40,13 @@ from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions
 )
 @click.option("--lr", type=float, default=TrainerConfig.lr, show_default=True)
 @click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=TrainOptions.temperature,
+    show_default=True,
+    help="Sampling temperature of the rollouts, and of the trainer's logprobs (one setting).",
+)
+@click.option(
     "--algo",
     default=TrainerConfig.estimator,
     show_default=True,
@@ -221,6 +228,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             harness=kw["harness"],
             max_steps=kw["max_steps"],
             concurrency=kw["concurrency"],
+            temperature=kw["temperature"],
             seed=kw["seed"],
             eval_every=kw["eval_every"],
             eval_limit=kw["eval_limit"],

@@ -74,7 +74,7 @@ class TrainerConfig:
     norm_adv_by_std: bool = True
     drop_zero_variance: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
-    temperature: float = 1.0  # must be the rollouts' sampling temperature
+    temperature: float = 1.0  # the rollouts' sampling temperature (TrainOptions sets it to the run's)
     # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
     # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
     # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
@@ -149,6 +149,21 @@ class TrainOptions:
     # equal-reward ones).
     max_gen_batches: int = 1
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        # One sampling temperature for the run: the trainer's logprobs must be of the distribution
+        # the rollouts sampled from, or every importance weight is off. The trainer takes the run's;
+        # a trainer set apart to another (not its default) is a contradiction, said at once.
+        if self.trainer.temperature not in (self.temperature, TrainerConfig.temperature):
+            raise ValueError(
+                f"the trainer's temperature {self.trainer.temperature:g} is not the rollouts' "
+                f"{self.temperature:g}: set the run's temperature alone (--temperature)"
+            )
+        if self.temperature <= 0:
+            raise ValueError(
+                f"RL samples its rollouts: the temperature must be above 0, not {self.temperature:g}"
+            )
+        self.trainer = dataclasses.replace(self.trainer, temperature=self.temperature)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
