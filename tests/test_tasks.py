@@ -23,7 +23,7 @@ from openforgerl.tasks import (
     suite_names,
     verify_local,
 )
-from openforgerl.tasks.suites import tools_tiny
+from openforgerl.tasks.suites import tools_tiny, tools_tiny_reworded
 
 GOOD = {"id": "t1", "instruction": "Write 1 to a.txt.", "split": "train", "verifier": {"command": "true"}}
 
@@ -290,6 +290,48 @@ def test_sums_and_differences_are_worked_out_one_step_at_a_time() -> None:
         for (a, b), (a2, b2) in itertools.pairwise(pairs):
             assert (a2, b2) == ((a + 1 if sign == "+" else a - 1), b - 1)
         assert all((a + b if sign == "+" else a - b) == int(answer) for a, b in pairs)
+
+
+# -- tools-tiny-reworded ------------------------------------------------------------------------
+
+
+def test_tools_tiny_reworded_is_held_out_and_deterministic_and_repeats_no_tools_tiny_task() -> None:
+    tasks = load_tasks("tools-tiny-reworded", "heldout")
+    assert tasks == load_tasks("tools-tiny-reworded") == tools_tiny_reworded.generate()
+    assert tasks != tools_tiny_reworded.generate(seed=tools_tiny_reworded.SEED + 1)
+    assert tools_tiny_reworded.SEED != tools_tiny.generate()[0].metadata["seed"]
+    assert len(tasks) == 70 and len({t.id for t in tasks}) == 70
+    assert not load_tasks("tools-tiny-reworded", "train")  # evaluated only, never trained on
+    keys = [tools_tiny_reworded.task_key(t) for t in tasks]
+    assert len(set(keys)) == 70
+    for split in ("train", "heldout"):  # not a tools-tiny task in other words
+        assert not set(keys) & {tools_tiny_reworded.task_key(t) for t in load_tasks("tools-tiny", split)}
+    original = {f.instruction for f in tools_tiny.FAMILIES.values()}
+    for family in tools_tiny.FAMILIES:
+        mine = [t for t in tasks if t.metadata["family"] == family]
+        assert len(mine) == 10 and all(t.tags == ["tools-tiny-reworded", family] for t in mine)
+        used = {t.metadata["template"] for t in mine}
+        assert len(used) >= 2 and used == set(range(len(tools_tiny_reworded.TEMPLATES[family])))
+        for template in tools_tiny_reworded.TEMPLATES[family]:  # other words, not tools-tiny's
+            assert template not in original and not template.startswith("Read ")
+    # Every input file is named in the instruction, once.
+    for t in tasks:
+        assert all(t.instruction.count(n) == 1 for n in t.metadata["inputs"]), t.instruction
+
+
+def test_the_oracle_solves_every_tools_tiny_reworded_task(tmp_path: Path) -> None:
+    for i, task in enumerate(load_tasks("tools-tiny-reworded")):
+        solution = tools_tiny.oracle(task)
+        assert solution.final_answer == task.verifier.kwargs["expected"]  # type: ignore[union-attr]
+        work = tmp_path / str(i)
+        prepare_local(task, work)
+        assert verify_local(task, work).reward == 0.0
+        for call in solution.calls:  # play the calls as the harness's tools would
+            if call.name == "read_file":
+                assert (work / call.arguments["path"]).is_file()
+            else:
+                (work / call.arguments["path"]).write_text(call.arguments["content"])
+        assert verify_local(task, work).reward == 1.0
 
 
 def test_oracle_call_text_is_the_chat_template_format() -> None:

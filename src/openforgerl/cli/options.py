@@ -115,8 +115,9 @@ def rollout_options(fn: Any) -> Any:
             click.option(
                 "--tasks",
                 required=True,
-                help="A suite (tools-tiny, tools-tiny-faults, claw-basic, web-basic), a task file/dir, or "
-                "harbor:DIR (Harbor task folders; found by themselves in a dir without task files).",
+                help="A suite (tools-tiny, tools-tiny-faults, tools-tiny-reworded, claw-basic, web-basic), "
+                "a task file/dir, or harbor:DIR (Harbor task folders; found by themselves in a dir "
+                "without task files).",
             ),
             click.option(
                 "--harness",

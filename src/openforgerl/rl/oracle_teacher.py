@@ -49,7 +49,8 @@ from openforgerl.rl.prompt_tools import (
 from openforgerl.tasks import Task
 from openforgerl.tasks.suites.tools_tiny import ANSWER_FILE, FAMILIES, oracle
 
-ORACLE_SUITES = ("tools-tiny", "tools-tiny-faults", "claw-basic")  # the suites the teacher can solve
+# The suites the teacher can solve (tools-tiny-reworded: held-out only, to check, never to train on).
+ORACLE_SUITES = ("tools-tiny", "tools-tiny-faults", "tools-tiny-reworded", "claw-basic")
 _RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 REACT_TOOLS = {"read_file", "write_file", "submit"}
 # File tools an agent CLI may offer (lower-cased names), used when they take a relative `path`.

@@ -1,4 +1,5 @@
-"""Built-in task suites: `tools_tiny` (generated) and `claw_basic` (data files in its folder)."""
+"""Built-in task suites: `tools_tiny` and `tools_tiny_reworded` (generated) and `claw_basic` (data
+files in its folder)."""
 
 from pathlib import Path
 
