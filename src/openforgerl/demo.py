@@ -44,6 +44,8 @@ from typing import Any, Literal
 from openforgerl.run_status import RunRecord, recording
 
 SUITE = "tools-tiny"
+# tools-tiny's skills asked in other words: held out, never trained or tuned on.
+REWORDED_SUITE = "tools-tiny-reworded"
 # The same tasks, half of them with one transient fault (the first read of one input file fails):
 # GRPO trains on its train tasks, and every model is evaluated on its held-out tasks with the faults
 # (the headline: recovery, which clean demonstrations never show) and without (the control).
@@ -62,36 +64,38 @@ class DemoConfig:
     # student copies values next to where it read them and can work out sums it never saw (seed 2,
     # held-out pass@1 after SFT: 0.33 with one-step sums "6 + 2 = 8.", 0.53 with counted ones).
     teacher_shows_work: bool = True
-    # How many of the teacher's tasks meet their transient fault (it reads the file again); 0 is a
-    # teacher that recorded every demonstration in a clean environment. With 0 (seed 0) the SFT
-    # student re-read the failed file in 5% of the faulted held-out rollouts, garbled, and GRPO
-    # found almost no signal (10 steps at 1e-4: 3-6 of 6 groups per step with equal rewards, no
-    # rise in recovery). 8 of 400 (2%) is issue #21's fallback: the student then re-reads in 19-43%,
-    # but GRPO did not make it reliable (benchmarks/README.md, "Recovering from tool faults").
+    # The second condition (issue #21): RL trains on tools-tiny-faults, whose tasks carry a transient
+    # tool fault about half the time, and every model is also evaluated on the faulted held-out
+    # tasks. Off by default: the headline is the clean held-out gain.
+    faults: bool = False
+    # With `faults`: how many of the teacher's tasks meet their transient fault (it reads the file
+    # again); 8 of 400 (2%) is issue #21's fallback (benchmarks/README.md, "Recovering from tool faults").
     teacher_faulted: int = 8
-    # 400 steps of 16 (about 430 s on 2 cores). With the model kit's 1/sqrt(hidden) init the student
-    # copies every value by step 200; the held-out teacher trajectories' loss is 0.02 at step 400.
+    # SFT: warm-up then cosine decay. Fewer steps leave the student the headroom RL lives on (a
+    # near-deterministic policy gives groups with equal rewards): see RECIPE in benchmarks/README.md.
     sft_epochs: int = 16
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
     sft_eval_every: int = 100  # steps between validation losses on the held-out trajectories
-    rl_steps: int = 30  # about 22 s each on 2 cores
+    rl_steps: int = 30
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
-    # From the seed-2 SFT model (held-out pass@1 0.53), 30 GRPO steps reached 0.56 at 5e-5; 15 steps
-    # of 12 tasks fell to 0.38 at 2e-4 (0.505 with KL 0.5 to the SFT model): benchmarks/README.md.
-    # On the faulted tasks 1e-4 (benchmarks/learning.py --rl-lr 1e-4) cost the clean held-out tasks
-    # 6.5 and 15.5 points (seeds 0, 1) and taught no recovery: the default stays at 5e-5.
     rl_lr: float = 5e-5
+    rl_max_gen_batches: int = 1  # DAPO's dynamic sampling: batches drawn until every group has a signal
+    # The starting policy measured on this many train tasks (k runs each) before RL: headroom.json.
+    headroom_tasks: int = 16
+    headroom_k: int = 8
     eval_tasks: int | None = None  # held-out tasks evaluated (None: all 50)
     eval_n: int = 4  # sampled runs per task (at 2, one model's pass@1 ranged 0.24-0.37 over reruns)
-    # Sampling temperature of the RL rollouts and of every evaluation (the trainer computes its
-    # logprobs at the same temperature, as the importance weights require).
+    # Sampling temperature of the RL rollouts (and the trainer's logprobs) and of every evaluation.
     temperature: float = 0.7
     # Also one greedy run per held-out task for the SFT and RL models: RL's gain showed there first (seed 2,
     # 120 GRPO steps: greedy 0.62 -> 0.72 while sampled pass@1 stayed at 0.56); a quarter of the cost.
     greedy_eval: bool = True
+    # The SFT and RL models also on tools-tiny-reworded: the same skills asked in other words, never
+    # trained or tuned on (does the gain hold beyond the sentences it was trained on?).
+    reworded_eval: bool = True
     max_tokens: int = 128  # per model call: the longest turn (the counted 9 + 9, then the write) takes 110
     max_turns: int = 6
     # Rollouts in flight. 16 decodes twice the rows per forward pass, but did not speed the RL loop
@@ -99,6 +103,10 @@ class DemoConfig:
     concurrency: int = 8
     overlap: bool = False  # RL: rollouts of step t+1 run while step t trains (policy lag <= 1)
     progress: bool = True
+
+    @property
+    def train_suite(self) -> str:
+        return FAULTS_SUITE if self.faults else SUITE
 
 
 QUICK = {
@@ -108,6 +116,8 @@ QUICK = {
     "rl_steps": 2,
     "rl_group": 2,
     "rl_batch_tasks": 2,
+    "headroom_tasks": 2,
+    "headroom_k": 2,
     "eval_tasks": 4,
     "eval_n": 2,
 }
@@ -206,8 +216,8 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
         samples = oracle_samples(
             model_dir,
             out / "teacher",
-            tasks=FAULTS_SUITE,
-            faulted=cfg.teacher_faulted,
+            tasks=cfg.train_suite,
+            faulted=cfg.teacher_faulted if cfg.faults else None,
             limit=cfg.teacher_tasks,
             max_turns=cfg.max_turns,
             concurrency=cfg.concurrency,
@@ -236,27 +246,28 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
 
     evals: dict[str, dict[str, Any]] = {}
 
-    def run_eval_phase(stage: str, model: Path, greedy_too: bool = True, clean_too: bool = True) -> None:
-        """eval/STAGE-faults on the faulted held-out tasks, eval/STAGE on the clean ones; each
-        sampled, and greedy (…-greedy) too."""
-        for name, suite in [(f"{stage}-faults", FAULTS_SUITE)] + [(stage, SUITE)] * clean_too:
-            for key, greedy in [(name, False)] + [(f"{name}-greedy", True)] * (
-                cfg.greedy_eval and greedy_too
-            ):
-                report_file = out / "eval" / key / "report.json"
-                _phase(
-                    record,
-                    f"eval-{key}",
-                    f"eval/{key}",
-                    report_file.exists(),
-                    seconds,
-                    functools.partial(evaluate_model, cfg, model, key, greedy, suite),
-                )
-                evals[key] = json.loads(report_file.read_text())
-                save_timings()
+    def run_eval_phase(stage: str, model: Path) -> None:
+        """eval/STAGE on the clean held-out tasks, sampled and (but for the untrained model) greedy;
+        eval/STAGE-reworded on the reworded ones and eval/STAGE-faults on the faulted ones, sampled."""
+        before = stage == "before"
+        runs = [(stage, SUITE, False)]
+        runs += [(f"{stage}-greedy", SUITE, True)] * (cfg.greedy_eval and not before)
+        runs += [(f"{stage}-reworded", REWORDED_SUITE, False)] * (cfg.reworded_eval and not before)
+        runs += [(f"{stage}-faults", FAULTS_SUITE, False)] * cfg.faults
+        for key, suite, greedy in runs:
+            report_file = out / "eval" / key / "report.json"
+            _phase(
+                record,
+                f"eval-{key}",
+                f"eval/{key}",
+                report_file.exists(),
+                seconds,
+                functools.partial(evaluate_model, cfg, model, key, greedy, suite),
+            )
+            evals[key] = json.loads(report_file.read_text())
+            save_timings()
 
-    # Random weights: greedy, or the clean tasks, show nothing more.
-    run_eval_phase("before", model_dir, greedy_too=False, clean_too=False)
+    run_eval_phase("before", model_dir)
 
     sft_summary_file = sft_dir / "sft_summary.json"
 
@@ -286,7 +297,7 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
     opts = TrainOptions(
         model=str(sft_dir),
         out=rl_dir,
-        tasks=FAULTS_SUITE,
+        tasks=cfg.train_suite,
         harness=cfg.harness,
         steps=cfg.rl_steps,
         group=cfg.rl_group,
@@ -298,7 +309,8 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
         seed=cfg.seed,
         progress=cfg.progress,
         overlap=cfg.overlap,
-        trainer=TrainerConfig(lr=cfg.rl_lr, temperature=cfg.temperature, seed=cfg.seed),
+        max_gen_batches=cfg.rl_max_gen_batches,
+        trainer=TrainerConfig(lr=cfg.rl_lr, seed=cfg.seed),
     )
     rl_summary_file = rl_dir / "rl_summary.json"
 
@@ -379,44 +391,45 @@ def build_report(
             },
         }
     versions = {v for ev in evals.values() for v in ev.get("harness_versions", {}).values()}
+    headroom_file = cfg.out / "rl" / "headroom.json"
     return {
         "suite": SUITE,
         "harness": cfg.harness,
         "harness_version": ", ".join(sorted(versions)),
-        "faults_suite": FAULTS_SUITE,
-        # RL's gain over SFT, paired by task (the evaluations' shared task difficulty drops out), on
-        # the held-out tasks with their transient faults (the headline) and without (the control).
-        **{
-            f"rl_minus_sft_{condition}": {
-                "pass@1": _paired_gain(evals, f"sft{suffix}", f"rl{suffix}"),
-                "greedy pass@1": _paired_gain(evals, f"sft{suffix}-greedy", f"rl{suffix}-greedy"),
-            }
-            for condition, suffix in (("faults", "-faults"), ("clean", ""))
+        "train_suite": cfg.train_suite,
+        # RL's gain over SFT, paired by task (the evaluations' shared task difficulty drops out): the
+        # headline on the clean held-out tasks, sampled and greedy; the same skills asked in other
+        # words; and, with `faults`, the held-out tasks with their transient faults.
+        "rl_minus_sft": {
+            "pass@1": _paired_gain(evals, "sft", "rl"),
+            "greedy pass@1": _paired_gain(evals, "sft-greedy", "rl-greedy"),
         },
+        "rl_minus_sft_reworded": {"pass@1": _paired_gain(evals, "sft-reworded", "rl-reworded")},
+        **(
+            {"rl_minus_sft_faults": {"pass@1": _paired_gain(evals, "sft-faults", "rl-faults")}}
+            if cfg.faults
+            else {}
+        ),
+        "sft_minus_before": {"pass@1": _paired_gain(evals, "before", "sft")},
         # Of the faulted held-out rollouts that met an error: the share that then read the file.
-        "recovery_rate": {
-            stage: evals[f"{stage}-faults"].get("acting", {}).get("all", {}).get("recovery_rate")
-            for stage in ("before", "sft", "rl")
-            if f"{stage}-faults" in evals
-        },
+        **(
+            {
+                "recovery_rate": {
+                    stage: evals[f"{stage}-faults"].get("acting", {}).get("all", {}).get("recovery_rate")
+                    for stage in ("before", "sft", "rl")
+                    if f"{stage}-faults" in evals
+                }
+            }
+            if cfg.faults
+            else {}
+        ),
+        # The SFT policy measured on train tasks before RL (rl/headroom.json): what RL had to work with.
+        "headroom": json.loads(headroom_file.read_text()) if headroom_file.exists() else None,
         "teacher": _teacher_line(cfg),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
         "evaluations": phases,
         "sft": sft_summary,
-        "rl_steps": [
-            {
-                k: r.get(k)
-                for k in (
-                    "step",
-                    "reward_mean",
-                    "pass_rate",
-                    "groups_dropped_zero_variance",
-                    "loss",
-                    "policy_version",
-                )
-            }
-            for r in rl
-        ],
+        "rl_steps": [{k: r.get(k) for k in STEP_KEYS} for r in rl if r["step"] > 0],
         "trainer_tokens_per_s": {
             "sft_median": _median(sft_tps),
             "rl_median": _median(train_tps),
@@ -426,10 +439,30 @@ def build_report(
     }
 
 
+# Per GRPO step in the report: the rollouts' rewards, how many groups had no signal, the policy's
+# entropy, and whether the update moved the trained sequences the way their advantages said.
+STEP_KEYS = (
+    "step",
+    "reward_mean",
+    "pass_rate",
+    "groups_dropped_zero_variance",
+    "groups_zero_variance_fraction",
+    "entropy",
+    "sampled_nll",
+    "update/direction_agreement",
+    "lr",
+    "loss",
+    "policy_version",
+)
+
+
 def _teacher_line(cfg: DemoConfig) -> str:
     """What the teacher's demonstrations show of faults: its weakness, said in the report."""
     from openforgerl.tasks import load_tasks
     from openforgerl.tasks.suites.tools_tiny import keep_faults
+
+    if not cfg.faults:
+        return "clean: the ORACLE teacher's demonstrations are recorded on tasks without faults"
 
     chosen = keep_faults(load_tasks(FAULTS_SUITE, split="train")[: cfg.teacher_tasks], cfg.teacher_faulted)
     met = sum(bool(t.faults) for t in chosen)
@@ -451,14 +484,16 @@ def _median(values: list[float]) -> float | None:
 
 
 def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
-    """Mean reward and pass rate of the training rollouts, per RL step."""
+    """Per RL step: mean reward and pass rate of the training rollouts; the policy's entropy and the
+    share of groups with equal rewards (no signal)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the PNG only
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["step"] > 0]  # step 0: the starting policy's measurements
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 3.6), dpi=120)
     ax.plot(steps, [r.get("reward_mean", 0.0) for r in rows], marker="o", label="mean reward")
     ax.plot(steps, [r.get("pass_rate", 0.0) for r in rows], marker=".", linestyle="--", label="pass rate")
     ax.set_xlabel("GRPO step")
@@ -467,6 +502,18 @@ def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_title(f"{SUITE}: rewards of the training rollouts")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    ax2.plot(steps, [r.get("entropy") for r in rows], marker="o", label="entropy (nats/token)")
+    ax2.plot(steps, [r.get("sampled_nll") for r in rows], marker=".", label="sampled NLL (nats/token)")
+    ax2.plot(
+        steps,
+        [r.get("groups_zero_variance_fraction") for r in rows],
+        linestyle="--",
+        label="groups with equal rewards",
+    )
+    ax2.set_xlabel("GRPO step")
+    ax2.set_title("entropy and the groups without a signal")
+    ax2.grid(alpha=0.3)
+    ax2.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -478,6 +525,24 @@ def _fmt(iv: dict[str, float] | None) -> str:
     return f"{iv['estimate']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
 
 
+def _num(value: Any, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, float) else "—"
+
+
+def _headroom_line(h: dict[str, Any]) -> str:
+    figures = ", ".join(
+        f"{label} {h[key]:.3f}"
+        for key, label in (
+            ("pass@1", "pass@1"),
+            ("pass@k", f"pass@{h.get('k', '')}"),
+            ("mixed_fraction", "tasks with mixed outcomes"),
+            ("sampled_nll", "sampled NLL per token"),
+        )
+        if isinstance(h.get(key), float | int)
+    )
+    return figures + ". " + " ".join(h.get("verdict", []))
+
+
 def _loss(sft: dict[str, Any], key: str) -> str:
     before, after = sft.get(f"{key}_before"), sft.get(f"{key}_after")
     return "n/a" if before is None or after is None else f"{before:.3f} -> {after:.3f}"
@@ -487,11 +552,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     n = cfg["eval_n"]
     names = {
+        "before": "before SFT",
+        "sft": "after SFT",
+        "rl": "after RL (GRPO)",
         "before-faults": "before SFT, faulted tasks",
         "sft-faults": "after SFT, faulted tasks",
-        "sft": "after SFT, clean tasks",
         "rl-faults": "after RL (GRPO), faulted tasks",
-        "rl": "after RL (GRPO), clean tasks",
+        "sft-reworded": "after SFT, reworded tasks",
+        "rl-reworded": "after RL (GRPO), reworded tasks",
     }
     harness = report.get("harness", "react")
     inside = "the built-in ReAct harness" if harness == "react" else f"the {harness} agent CLI"
@@ -503,12 +571,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"({cfg['rl_batch_tasks']} tasks x {cfg['rl_group']} rollouts per step), all through "
         f"{inside} ({report.get('harness_version', '')}) in local sandboxes and the recording gateway.",
         "",
-        f"GRPO trains on {report.get('faults_suite', '')}: the same train tasks, about half of them with "
-        "one transient fault (the first read of one input file fails: `error: b.txt: Resource "
-        "temporarily unavailable`; the next read succeeds). The teacher's weakness, on purpose: "
-        f"{report.get('teacher', '')}. Each model is evaluated on the held-out tasks with their faults "
-        "(the headline) and without them (the control); *recovered* is the share of the rollouts that "
-        "met an error and then read that file successfully.",
+        f"GRPO trains on {report.get('train_suite', '')}. The held-out tasks are never trained on; "
+        "*reworded* are tools-tiny-reworded's: the same skills asked in other words, never trained or "
+        "tuned on. "
+        + (
+            "tools-tiny-faults' tasks carry one transient fault about half the time (the first read of "
+            "one input file fails; the next succeeds); *recovered* is the share of the rollouts that met "
+            f"an error and then read that file. The teacher: {report.get('teacher', '')}."
+            if cfg.get("faults")
+            else ""
+        ),
         "",
         f"Held-out tasks, {n} sampled runs each at temperature {cfg['temperature']:g} (the RL rollouts' "
         f"temperature), seeded with {cfg['seed']} for every model: each model meets the same random "
@@ -528,14 +600,21 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{acted.get('rollouts_with_errors', '—')} | {'—' if recovered is None else f'{recovered:.0%}'} |"
         )
     evs = report["evaluations"]
-    for condition in ("faults", "clean"):
-        for metric, gain in report.get(f"rl_minus_sft_{condition}", {}).items():
+    for key, condition in (
+        ("rl_minus_sft", "the held-out tasks"),
+        ("rl_minus_sft_reworded", "the reworded held-out tasks"),
+        ("rl_minus_sft_faults", "the faulted held-out tasks"),
+    ):
+        for metric, gain in (report.get(key) or {}).items():
             if gain:
                 lines += [
                     "",
-                    f"RL over SFT on held-out {metric}, {condition}: {gain['estimate'] * 100:+.1f} points "
+                    f"RL over SFT, {metric} on {condition}: {gain['estimate'] * 100:+.1f} points "
                     f"(paired by task, 95% interval {gain['low'] * 100:+.1f} to {gain['high'] * 100:+.1f}).",
                 ]
+    headroom = report.get("headroom")
+    if headroom:
+        lines += ["", f"The SFT policy before RL (train tasks, rl/headroom.json): {_headroom_line(headroom)}"]
     tasks = {f: v["tasks"] for ev in evs.values() for f, v in ev.get("by_family", {}).items()}
     if tasks:
         lines += [
@@ -553,14 +632,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "![reward curve](reward_curve.png)",
         "",
-        "| GRPO step | mean reward | pass rate | groups dropped (equal rewards) | loss |",
-        "|---:|---:|---:|---:|---:|",
+        "| GRPO step | mean reward | pass rate | groups dropped (equal rewards) | entropy | "
+        "update in the advantages' direction | loss |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rl_steps"]:
-        loss = f"{r['loss']:.4f}" if isinstance(r.get("loss"), float) else "—"
         lines.append(
             f"| {r['step']} | {r.get('reward_mean') or 0:.3f} | {r.get('pass_rate') or 0:.3f} | "
-            f"{r.get('groups_dropped_zero_variance') or 0} | {loss} |"
+            f"{r.get('groups_dropped_zero_variance') or 0} | {_num(r.get('entropy'))} | "
+            f"{_num(r.get('update/direction_agreement'), '.0%')} | {_num(r.get('loss'))} |"
         )
     tps = report["trainer_tokens_per_s"]
     lines += [
