@@ -219,3 +219,12 @@ def test_warmup_ramps_the_rate_over_the_first_updates_and_survives_a_resume(
     assert [step(resumed) for _ in range(2)] == pytest.approx(lrs[2:])
     for a, b in zip(straight.policy.model.parameters(), resumed.policy.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_entropy_in_chunks_equals_the_categoricals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked entropy (lse - E_p[logits]) matches torch's Categorical, masked tokens included."""
+    logits = torch.randn(3, 5, 11) * 3
+    logits[..., 4] = -1e9  # a token the engine never samples
+    monkeypatch.setattr(trainer_module, "_ENTROPY_CHUNK", 2 * 11)  # two rows per chunk
+    got = trainer_module._entropy(logits, logits.logsumexp(-1))
+    assert torch.allclose(got, torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5)
