@@ -83,6 +83,12 @@ class TrainerConfig:
     seed: int = 0
     device: str | None = None  # default: cuda when available, else cpu
     tuning: Tuning = field(default_factory=Tuning)
+    # Linear learning-rate warm-up over the first N optimizer updates (update k at lr x k / N,
+    # counting from 1), then `lr`; the position is saved with the optimizer, so a resume continues it.
+    warmup_steps: int = 0
+    # After each step's updates, re-score the trained rollouts with the new weights and report how
+    # their log-likelihood moved (`update/...` metrics): one extra forward pass, no gradients.
+    measure_update: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:

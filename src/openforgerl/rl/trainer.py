@@ -4,8 +4,14 @@ One training step takes the rollouts of a batch of tasks (G per task: a group), 
 rewards are all equal (they carry no signal for group-relative estimators) and counts them, gives
 every kept rollout an advantage with veRL's estimator, and runs `ppo_epochs` passes of
 `mini_batches` AdamW updates over its samples, each accumulated over micro-batches that fit a token
-budget, with gradient clipping.
+budget, with gradient clipping (the rate warmed up linearly over the first `warmup_steps` updates).
 Losses and importance weights come from veRL (`openforgerl.rl.algos`).
+
+Besides veRL's metrics, a step reports the policy's entropy on the trained tokens (from the same
+forward pass), the rollout policy's (`sampled_nll`, from the engine's logprobs of every scored
+rollout), the PPO ratio when there is more than one update, and with `measure_update`, how the
+update moved each trained rollout's log-likelihood (`update/...`: up for positive advantages, down
+for negative ones, re-scored with the new weights).
 
 Current logprobs are recomputed on each sample's own input_ids at `temperature` (1: the engine's
 logprob contract), on the loss positions only. The behaviour logprobs recorded by the gateway are
@@ -58,6 +64,7 @@ from openforgerl.rollouts.trajectory import Sample
 ImageSource = Callable[[Sequence[str]], dict[str, Image]]
 
 OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"  # the warm-up's position (updates taken), when there is a warm-up
 STATE_FILE = "trainer_state.json"
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapter (peft's format), beside the merged weights
 
@@ -107,6 +114,34 @@ def select_groups(
         "pass_rate": sum(passed(x) for x in scored) / len(scored) if scored else 0.0,
     }
     return kept, stats
+
+
+def sampled_nll(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """`sampled_nll`: the mean negative behaviour logprob (the engine's) per loss token over every
+    scored rollout, trained or not: an estimate of the rollout policy's entropy. Empty without tokens."""
+    total = tokens = 0.0
+    for r in rollouts:
+        if r.reward is None:
+            continue
+        for s in r.samples:
+            for m, lp in zip(s.loss_mask, s.logprobs, strict=False):
+                if m:
+                    total -= lp
+                    tokens += 1
+    return {"sampled_nll": total / tokens} if tokens else {}
+
+
+def _ratio_stats(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean (over loss tokens), max and min of the PPO ratio pi / pi_old."""
+    on = mask > 0
+    if not bool(on.any()):
+        return {}
+    ratio = log_ratio[on].exp()
+    return {
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max": float(ratio.max()),
+        "ratio_min": float(ratio.min()),
+    }
 
 
 def micro_batches(lengths: Sequence[int], budget: int, shared: int = 0) -> list[list[int]]:
@@ -194,6 +229,21 @@ def _collate(
 
 
 SHARED_PREFIX_MIN = 32  # below this, running the prefix apart saves less than it costs
+_ENTROPY_CHUNK = 1 << 24  # logits per chunk of the entropy's temporaries (64 MiB in float32)
+
+
+@torch.no_grad()
+def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) along the last axis, given its logsumexp: lse - E_p[logits],
+    taken over chunks of rows so that the temporaries stay small beside the logits."""
+    flat, norm = logits.reshape(-1, logits.shape[-1]), lse.reshape(-1)
+    out = torch.empty_like(norm)
+    rows = max(1, _ENTROPY_CHUNK // max(flat.shape[-1], 1))
+    for k in range(0, flat.shape[0], rows):
+        chunk = flat[k : k + rows]
+        p = (chunk - norm[k : k + rows, None]).exp_()
+        out[k : k + rows] = norm[k : k + rows] - (p * chunk).sum(-1)
+    return out.reshape(lse.shape)
 
 
 def _with_lora(model: Any, tuning: Tuning, adapter_dir: str | Path | None) -> Any:
@@ -231,8 +281,10 @@ class Policy:
         image_source: ImageSource | None = None,
         tuning: Tuning | None = None,
         adapter_dir: str | Path | None = None,
+        warmup_steps: int = 0,
     ) -> None:
-        """`adapter_dir`: a saved LoRA adapter to continue training on `model_dir` (the frozen base)."""
+        """`adapter_dir`: a saved LoRA adapter to continue training on `model_dir` (the frozen base);
+        `warmup_steps`: the rate rises linearly to `lr` over that many updates (`clip_and_step`)."""
         from transformers import AutoTokenizer
 
         self.tuning = tuning or Tuning()
@@ -269,6 +321,12 @@ class Policy:
             weight_decay=weight_decay,
             betas=betas,
         )
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if warmup_steps > 0:
+            # Update k (from 0) runs at lr x (k + 1) / warmup_steps: the first one already moves.
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda k: min(1.0, (k + 1) / warmup_steps)
+            )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
         self._keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
@@ -329,6 +387,23 @@ class Policy:
     def logprobs(self, batch: _Collated, model: Any = None, temperature: float | None = None) -> torch.Tensor:
         """(B, P) logprobs of the targets at `temperature` (default: `self.temperature`), with
         gradients enabled."""
+        logits = self._logits(batch, model, temperature)
+        picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
+        return picked - logits.logsumexp(-1)
+
+    def logprobs_and_entropy(
+        self, batch: _Collated, model: Any = None, temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs`, and the (B, P) entropy (nats, detached) of the whole next-token distribution
+        at each position, from the same forward pass."""
+        logits = self._logits(batch, model, temperature)
+        lse = logits.logsumexp(-1)
+        picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
+        return picked - lse, _entropy(logits.detach(), lse.detach())
+
+    def _logits(self, batch: _Collated, model: Any, temperature: float | None) -> torch.Tensor:
+        """(B, P, V) float32 logits on the loss positions, divided by the temperature, with the
+        tokens the engine never samples masked out."""
         model = model or self.model
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         skip = batch.shared
@@ -347,9 +422,7 @@ class Policy:
             else:
                 logits = model(**inputs).logits[:, batch.positions - skip]
         logits = logits.float() / (self.temperature if temperature is None else temperature)
-        logits = vision.mask_unsampleable(logits, self._unsampleable)  # the engine never samples these
-        picked = logits.gather(-1, batch.targets[..., None]).squeeze(-1)
-        return picked - logits.logsumexp(-1)
+        return vision.mask_unsampleable(logits, self._unsampleable)  # the engine never samples these
 
     @torch.no_grad()
     def sample_logprobs(self, samples: Sequence[Sample], budget: int = 8192) -> list[list[float]]:
@@ -386,7 +459,14 @@ class Policy:
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
         return float(norm)
+
+    @property
+    def lr(self) -> float:
+        """The rate the next update runs at."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def save(self, path: Path, state: dict[str, Any]) -> None:
         """An HF checkpoint plus optimizer and trainer state, written aside then renamed into place."""
@@ -396,6 +476,8 @@ class Policy:
         if self.tuning.lora:
             self.model.save_pretrained(tmp / ADAPTER_DIR)  # peft writes the adapter alone
         torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if self.scheduler is not None:
+            torch.save(self.scheduler.state_dict(), tmp / SCHEDULER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
@@ -419,7 +501,14 @@ class Policy:
             self.processor.image_processor.save_pretrained(path)
 
     def load_optimizer(self, path: Path) -> None:
+        """The optimizer state saved in `path`, and the warm-up's position when one was saved (a
+        checkpoint saved without a warm-up starts it afresh)."""
         self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device))
+        if self.scheduler is not None:
+            if (path / SCHEDULER_FILE).is_file():
+                self.scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE))
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr  # the optimizer's saved rate is that of the run it came from
 
 
 class _Metrics:
@@ -481,6 +570,7 @@ class Trainer:
             image_source=image_source,
             tuning=cfg.tuning,
             adapter_dir=adapter_dir,
+            warmup_steps=cfg.warmup_steps,
         )
         self.actor_config = cfg.loss.actor_config(group_size)
         self.reference: Any = None
@@ -541,17 +631,69 @@ class Trainer:
             samples=len(samples),
             advantage_abs_mean=sum(abs(a) for a in advantages) / len(advantages) if advantages else 0.0,
             staleness_max=self.policy_version - min(versions) if versions else 0,
+            groups_zero_variance_fraction=metrics["groups_dropped_zero_variance"] / max(metrics["groups"], 1),
         )
+        metrics.update(sampled_nll(rollouts))
         metrics["time/prepare"] = time.monotonic() - t0
         self.step += 1
         metrics["updated"] = bool(samples)
         if samples:
-            metrics.update(self._update(samples))
+            out, before = self._update(samples)
+            metrics.update(out)
             self.policy_version += 1
+            if self.cfg.measure_update:
+                t1 = time.monotonic()
+                metrics.update(self._update_effect(kept, advantages, before))
+                metrics["time/measure_update"] = time.monotonic() - t1
         metrics["policy_version"] = self.policy_version
         return metrics
 
-    def _update(self, samples: list[Sample]) -> dict[str, float]:
+    @torch.no_grad()
+    def sequence_logprobs(self, samples: Sequence[Sample]) -> list[float]:
+        """Per sample, the summed logprobs of its loss tokens under the current weights, at the
+        trainer's temperature (micro-batched like training)."""
+        out = [0.0] * len(samples)
+        for chunk in self.policy.micro_batches(samples, self.cfg.micro_batch_tokens):
+            batch = self.policy.collate([samples[i] for i in chunk])
+            sums = (self.policy.logprobs(batch) * batch.mask).sum(-1)
+            for row, i in enumerate(chunk):
+                out[i] = float(sums[row])
+        return out
+
+    def _update_effect(
+        self, kept: Sequence[Rollout], advantages: Sequence[float], before: dict[int, float]
+    ) -> dict[str, float]:
+        """How the step's updates moved each trained rollout's log-likelihood (summed over its loss
+        tokens): mean change per rollout and per token for positive and negative advantages, and the
+        fraction of rollouts (advantage != 0) that moved the way their advantage says."""
+        trained = [
+            (r, a) for r, a in zip(kept, advantages, strict=True) if any(s.num_loss_tokens for s in r.samples)
+        ]
+        samples = [s for r, _ in trained for s in r.samples if s.num_loss_tokens]
+        after = dict(zip(map(id, samples), self.sequence_logprobs(samples), strict=True))
+        moves: dict[str, list[tuple[float, int]]] = {"pos": [], "neg": []}
+        agree = signed = 0
+        for r, adv in trained:
+            own = [s for s in r.samples if s.num_loss_tokens]
+            change = sum(after[id(s)] - before[id(s)] for s in own)
+            if adv != 0:
+                moves["pos" if adv > 0 else "neg"].append((change, sum(s.num_loss_tokens for s in own)))
+                signed += 1
+                agree += change * adv > 0
+        out: dict[str, float] = {}
+        for sign, rows in moves.items():
+            if rows:
+                out[f"update/logp_change_{sign}"] = sum(c for c, _ in rows) / len(rows)
+                out[f"update/logp_change_{sign}_per_token"] = sum(c for c, _ in rows) / sum(
+                    n for _, n in rows
+                )
+        if signed:
+            out["update/direction_agreement"] = agree / signed
+        return out
+
+    def _update(self, samples: list[Sample]) -> tuple[dict[str, float], dict[int, float]]:
+        """The step's optimizer updates on `samples`: their metrics, and each sample's summed
+        loss-token logprob before them (keyed by id()), for `_update_effect`."""
         cfg = self.cfg
         rng = random.Random(cfg.seed * 100_003 + self.step)
         n_mini = max(1, min(cfg.mini_batches, len(samples)))
@@ -561,12 +703,16 @@ class Trainer:
             rng.shuffle(order)
             minis += [[samples[i] for i in order[k::n_mini]] for k in range(n_mini)]
         old: dict[int, torch.Tensor] = {}
+        before: dict[int, float] = {}
         t0 = time.monotonic()
         if len(minis) > 1:  # later updates need pi_old from before the first one
             old = self._old_logprobs(samples)
+            for s in samples:
+                mask = torch.tensor(s.loss_mask[1:], dtype=torch.float32, device=old[id(s)].device)
+                before[id(s)] = float((old[id(s)] * mask).sum())
         t_old = time.monotonic() - t0
         agg = _Metrics()
-        grad_norms = []
+        grad_norms, lrs = [], []
         ptx_losses: list[float] = []
         tokens = loss_tokens = padded = 0
         t1 = time.monotonic()
@@ -578,8 +724,16 @@ class Trainer:
             for chunk in self.policy.micro_batches(mini, cfg.micro_batch_tokens):
                 rows = [mini[i] for i in chunk]
                 batch = self.policy.collate(rows)
-                lp = self.policy.logprobs(batch)
-                old_lp = self._gather_old(old, rows, batch) if old else lp.detach()
+                lp, entropy = self.policy.logprobs_and_entropy(batch)
+                weight = float(batch.mask.sum())
+                extra = {"entropy": float((entropy * batch.mask).sum()) / max(weight, 1.0)}
+                if old:
+                    old_lp = self._gather_old(old, rows, batch)
+                    extra.update(_ratio_stats(lp.detach() - old_lp, batch.mask))
+                else:
+                    old_lp = lp.detach()
+                    for s, total in zip(rows, (old_lp * batch.mask).sum(-1).tolist(), strict=True):
+                        before[id(s)] = total
                 is_weights, corr = algos.importance_weights(old_lp, batch.behaviour, batch.mask, cfg.loss)
                 ref_lp = None
                 if self.reference is not None:
@@ -596,15 +750,15 @@ class Trainer:
                     ref_logprobs=ref_lp,
                 )
                 loss.backward()
-                weight = float(batch.mask.sum())
                 if ref_lp is not None:
                     m["kl_ref"] = float(((lp.detach() - ref_lp) * batch.mask).sum()) / max(weight, 1.0)
-                agg.add({**m, **corr, "loss": float(loss.detach())}, weight)
+                agg.add({**m, **corr, **extra, "loss": float(loss.detach())}, weight)
                 tokens += batch.real_tokens
                 padded += batch.ids.numel()
                 loss_tokens += int(weight)
             if cfg.ptx_coef > 0:
                 ptx_losses.append(self._ptx_backward(rng))
+            lrs.append(self.policy.lr)
             grad_norms.append(self.policy.clip_and_step(cfg.max_grad_norm))
         t_train = time.monotonic() - t1
         out = agg.result(len(minis))
@@ -617,7 +771,7 @@ class Trainer:
                 "is_weight_min": out.get("rollout_corr/rollout_is_min", 1.0),
                 "is_weight_max": out.get("rollout_corr/rollout_is_max", 1.0),
                 "grad_norm": sum(grad_norms) / len(grad_norms),
-                "lr": cfg.lr,
+                "lr": sum(lrs) / len(lrs),  # the mean over the step's updates (warm-up)
                 "optimizer_steps": len(minis),
                 "tokens": tokens,
                 "tokens_padded": padded,
@@ -629,7 +783,7 @@ class Trainer:
         )
         if ptx_losses:
             out["ptx_loss"] = sum(ptx_losses) / len(ptx_losses)
-        return out
+        return out, before
 
     def _ptx_backward(self, rng: random.Random) -> float:
         """Accumulate ptx_coef x the SFT loss of `ptx_batch` demonstrations; returns the SFT loss."""
