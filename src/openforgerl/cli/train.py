@@ -9,6 +9,7 @@ import click
 
 from openforgerl.cli.options import CLI_HARNESSES, one_harness, tuning, tuning_options
 from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions
+from openforgerl.rl.headroom import CHECK_TASKS
 
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
@@ -108,6 +109,28 @@ from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions
     help="Dynamic sampling (DAPO): draw up to N batches of --batch-tasks tasks a step until "
     "--batch-tasks groups have mixed rewards, and train on those alone. 1: off.",
 )
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Measure the starting policy's headroom (pass@1, pass@k, tasks with mixed outcomes, sampled "
+    "NLL) on --headroom-tasks train tasks, write headroom.json to --out, say whether RL has anything "
+    "to work with, and train nothing.",
+)
+@click.option(
+    "--headroom-tasks",
+    type=click.IntRange(min=0),
+    default=TrainOptions.headroom_tasks,
+    show_default=True,
+    help=f"Measure the headroom on N train tasks before the first step (--check: {CHECK_TASKS} when 0). "
+    "0: off.",
+)
+@click.option(
+    "--headroom-k",
+    type=click.IntRange(min=1),
+    default=TrainOptions.headroom_k,
+    show_default=True,
+    help="Runs per task of the headroom measurement (its pass@k).",
+)
 @click.option("--micro-batch-tokens", type=int, default=TrainerConfig.micro_batch_tokens, show_default=True)
 @click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
 @click.option(
@@ -202,6 +225,9 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
         raise click.BadParameter("give the run folder", param_hint="--out")
     from openforgerl.rl.loop import load_options, train
 
+    check = kw.pop("check")
+    if check and resume:
+        raise click.UsageError("--check measures a starting model: it does not go with --resume")
     if resume:
         opts = load_options(Path(out))
         if steps is not None:
@@ -237,6 +263,8 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             engine=kw["engine"] or TrainOptions.engine,
             ptx_data=str(Path(kw["ptx_data"]).resolve()) if kw["ptx_data"] else None,
             max_gen_batches=kw["max_gen_batches"],
+            headroom_tasks=kw["headroom_tasks"],
+            headroom_k=kw["headroom_k"],
             trainer=TrainerConfig(
                 lr=kw["lr"],
                 estimator=kw["algo"],
@@ -260,6 +288,9 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
     from openforgerl.engines.base import EngineError
     from openforgerl.harnesses.launch import HarnessNotInstalled
 
+    if check:
+        _check(opts)
+        return
     try:
         summary = train(opts, resume=resume)
     except (FileExistsError, FileNotFoundError, ValueError, EngineError, HarnessNotInstalled) as exc:
@@ -268,3 +299,19 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
         f"{summary['steps']} steps, policy version {summary['policy_version']}; "
         f"checkpoint {summary['checkpoint']}; metrics {summary['metrics']}"
     )
+
+
+def _check(opts: TrainOptions) -> None:
+    """`train --check`: the starting policy's headroom, printed and written to headroom.json."""
+    from openforgerl.engines.base import EngineError
+    from openforgerl.harnesses.launch import HarnessNotInstalled
+    from openforgerl.rl.headroom import HEADROOM_FILE, check
+
+    try:
+        h = check(opts)
+    except (FileNotFoundError, ValueError, EngineError, HarnessNotInstalled) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(h.table())
+    for line in h.verdict:
+        click.echo(f"- {line}")
+    click.echo(f"written to {opts.out / HEADROOM_FILE}")

@@ -154,6 +154,10 @@ class TrainOptions:
     # and trains on those alone. 1: one batch, every group goes to the trainer (which drops the
     # equal-reward ones).
     max_gen_batches: int = 1
+    # Headroom (rl/headroom.py): before the first step of a fresh run, k runs of this many train
+    # tasks measure what the starting policy leaves RL to learn (headroom.json). 0: off.
+    headroom_tasks: int = 0
+    headroom_k: int = 8
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:

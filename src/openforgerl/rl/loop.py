@@ -16,6 +16,8 @@ Run folder:
     evals/NNNNNN/runner.db   held-out evaluation after step N (when --eval-every is set)
     checkpoints/step-NNNNNN  HF model + tokenizer + optimizer.pt + trainer_state.json
     metrics.jsonl            one JSON object per step (`step` key); tensorboard/ when installed
+    headroom.json            the starting policy's headroom (--headroom-tasks; rl/headroom.py),
+                             logged as step 0's headroom/* metrics; headroom/runner.db its runs
 
 Resume after a crash (even kill -9): the last checkpoint gives the weights, optimizer and step;
 the next step's runner state keeps its finished rollouts, so none is lost or repeated; a step
@@ -89,6 +91,7 @@ from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
+from openforgerl.rl import headroom
 from openforgerl.rl.config import TrainOptions as TrainOptions
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
@@ -490,8 +493,14 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
             trainer.policy.image_source = gw.gateway.core.store.images_sync
             if sync_first:  # before any rollout (and before the prefetcher starts)
                 _check_version(_push(trainer, engine, model_dir, gw.loop), trainer)
-            if opts.eval_every and trainer.step == 0 and 0 not in log.steps():
-                log.write(0, {"policy_version": 0, **evaluate(service, opts, eval_tasks, 0)})
+            if trainer.step == 0 and 0 not in log.steps():  # the starting policy, as step 0
+                start: dict[str, Any] = {}
+                if opts.headroom_tasks > 0:
+                    start.update(headroom.before_training(service, opts, train_tasks))
+                if opts.eval_every:
+                    start.update(evaluate(service, opts, eval_tasks, 0))
+                if start:
+                    log.write(0, {"policy_version": 0, **start})
 
             def collect(step: int, cancel: Cancel | None = None) -> StepRollouts:
                 return collect_step(service, opts, train_tasks, step, cancel)
