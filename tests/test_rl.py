@@ -1036,5 +1036,7 @@ def test_one_temperature_for_the_rollouts_and_the_trainers_logprobs(tmp_path: Pa
         TrainOptions(model="m", out=tmp_path, temperature=1.0, trainer=TrainerConfig(temperature=0.7))
     with pytest.raises(ValueError, match="above 0"):
         TrainOptions(model="m", out=tmp_path, temperature=0.0)
-    result = CliRunner().invoke(train_cmd, ["--model", "m", "--out", str(tmp_path / "r"), "--temperature", "0"])
+    result = CliRunner().invoke(
+        train_cmd, ["--model", "m", "--out", str(tmp_path / "r"), "--temperature", "0"]
+    )
     assert result.exit_code != 0 and "--temperature" in result.output

@@ -82,6 +82,7 @@ class DemoConfig:
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
     rl_lr: float = 5e-5
+    rl_warmup: int = 0  # optimizer updates of linear learning-rate warm-up
     rl_max_gen_batches: int = 1  # DAPO's dynamic sampling: batches drawn until every group has a signal
     # The starting policy measured on this many train tasks (k runs each) before RL: headroom.json.
     headroom_tasks: int = 16
@@ -310,7 +311,9 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
         progress=cfg.progress,
         overlap=cfg.overlap,
         max_gen_batches=cfg.rl_max_gen_batches,
-        trainer=TrainerConfig(lr=cfg.rl_lr, seed=cfg.seed),
+        headroom_tasks=cfg.headroom_tasks,
+        headroom_k=cfg.headroom_k,
+        trainer=TrainerConfig(lr=cfg.rl_lr, warmup_steps=cfg.rl_warmup, seed=cfg.seed),
     )
     rl_summary_file = rl_dir / "rl_summary.json"
 

@@ -41,6 +41,24 @@ from openforgerl.rl.headroom import CHECK_TASKS
 )
 @click.option("--lr", type=float, default=TrainerConfig.lr, show_default=True)
 @click.option(
+    "--warmup-steps",
+    type=click.IntRange(min=0),
+    default=TrainerConfig.warmup_steps,
+    show_default=True,
+    help="Linear learning-rate warm-up over the first N optimizer updates (a fresh AdamW's first "
+    "steps move every weight by about the lr).",
+)
+@click.option(
+    "--clip-low", type=float, default=LossConfig.clip_ratio_low, show_default=True, help="PPO clip: 1 - low."
+)
+@click.option(
+    "--clip-high",
+    type=float,
+    default=LossConfig.clip_ratio_high,
+    show_default=True,
+    help="PPO clip: 1 + high (DAPO's clip-higher: 0.28); acts with more than one update a step.",
+)
+@click.option(
     "--temperature",
     type=click.FloatRange(min=0.0, min_open=True),
     default=TrainOptions.temperature,
@@ -267,6 +285,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             headroom_k=kw["headroom_k"],
             trainer=TrainerConfig(
                 lr=kw["lr"],
+                warmup_steps=kw["warmup_steps"],
                 estimator=kw["algo"],
                 mini_batches=kw["mini_batches"],
                 ppo_epochs=kw["ppo_epochs"],
@@ -280,6 +299,8 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
                 loss=LossConfig(
                     loss=kw["loss"],
                     kl_coef=kw["kl_coef"],
+                    clip_ratio_low=kw["clip_low"],
+                    clip_ratio_high=kw["clip_high"],
                     tis=None if kw["tis"] == "none" else kw["tis"],
                     tis_threshold=kw["tis_threshold"],
                 ),
