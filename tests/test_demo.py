@@ -22,6 +22,8 @@ TOY = dict(
     rl_batch_tasks=1,
     eval_tasks=2,
     eval_n=2,
+    headroom_tasks=2,
+    headroom_k=2,
     concurrency=4,
     progress=False,
 )
@@ -39,70 +41,79 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     assert report["sft"]["val_samples"] == 2
     assert report["sft"]["val_loss_after"] < report["sft"]["val_loss_before"]
 
-    # Held-out evaluations only, each with n runs per task and an interval: on the faulted tasks
-    # before SFT, after SFT and after RL, and on the clean ones after SFT and after RL; beside those
-    # after SFT and after RL a greedy one: one run per task at temperature 0.
-    assert list(report["evaluations"]) == ["before-faults", "sft-faults", "sft", "rl-faults", "rl"]
-    families = [t.metadata["family"] for t in load_tasks("tools-tiny", split="heldout")[:2]]
-    faulted = [bool(t.faults) for t in load_tasks("tools-tiny-faults", split="heldout")[:2]]
-    assert faulted == [True, True]  # both toy tasks carry their fault
+    # Held-out evaluations only, each with n runs per task and an interval: before SFT, after SFT and
+    # after RL on the held-out tasks, and after SFT and after RL on the reworded ones (the same skills
+    # in other words); beside the held-out ones after SFT and after RL a greedy one: one run per task
+    # at temperature 0.
+    assert list(report["evaluations"]) == ["before", "sft", "sft-reworded", "rl", "rl-reworded"]
     for name, ev in report["evaluations"].items():
+        suite = "tools-tiny-reworded" if name.endswith("-reworded") else "tools-tiny"
+        families = [t.metadata["family"] for t in load_tasks(suite, split="heldout")[:2]]
         assert ev["rollouts"] == 4, name
         assert 0.0 <= ev["pass@1"]["low"] <= ev["pass@1"]["estimate"] <= ev["pass@1"]["high"] <= 1.0
         sampled = json.loads((out / "eval" / name / "report.json").read_text())
         assert sampled["seed"] == cfg.seed, name  # every stage on the same random numbers
+        assert sampled["tasks"] == suite, name
         runs = sampled["summary"]["per_task"]
-        assert {r["task_id"] for r in runs} == {"tools-tiny-heldout-0000", "tools-tiny-heldout-0001"}
-        # Per task family: the two tasks' families, one task each (`faulted`, a tag both toy tasks
-        # have on the faulted suite, is left out like the suite's own tag).
+        assert {r["task_id"] for r in runs} == {f"{suite}-heldout-0000", f"{suite}-heldout-0001"}
+        # Per task family: the two tasks' families, one task each.
         assert {f: v["tasks"] for f, v in ev["by_family"].items()} == {f: 1 for f in families}, name
-        # What the rollouts did, read from their conversations (a toy model may never reach a read,
-        # so how many met their fault is not fixed here: tests/test_faults.py checks that).
+        # What the rollouts did, read from their conversations.
         assert ev["behaviour"] == sampled["acting"]["all"] and ev["behaviour"]["rollouts"] == 4, name
         assert 0 <= ev["behaviour"]["rollouts_with_errors"] <= 4, name
-        if name == "before-faults":  # the untrained model: no greedy evaluation
-            assert ev["greedy pass@1"] is None and not (out / "eval" / "before-faults-greedy").exists()
+        if name != "sft" and name != "rl":  # greedy only for the headline's models
+            assert ev["greedy pass@1"] is None and not (out / "eval" / f"{name}-greedy").exists()
             continue
         greedy = json.loads((out / "eval" / f"{name}-greedy" / "report.json").read_text())
         assert greedy["rollouts"] == 2 and greedy["temperature"] == 0.0, name
         assert ev["greedy pass@1"]["estimate"] == greedy["summary"]["pass@k"]["1"]["estimate"]
 
-    # RL's gain over SFT, paired by task, with and without the faults: the mean change, inside its
-    # interval; and the recovery rate of each model on the faulted tasks.
+    # RL's gain over SFT, paired by task: the mean change, inside its interval; on the reworded tasks
+    # too; SFT's over the untrained model.
     ev = report["evaluations"]
-    for condition, suffix in (("faults", "-faults"), ("clean", "")):
-        for metric in ("pass@1", "greedy pass@1"):
-            gain = report[f"rl_minus_sft_{condition}"][metric]
-            change = ev[f"rl{suffix}"][metric]["estimate"] - ev[f"sft{suffix}"][metric]["estimate"]
+    for key, before, after, metrics in (
+        ("rl_minus_sft", "sft", "rl", ("pass@1", "greedy pass@1")),
+        ("rl_minus_sft_reworded", "sft-reworded", "rl-reworded", ("pass@1",)),
+        ("sft_minus_before", "before", "sft", ("pass@1",)),
+    ):
+        assert list(report[key]) == list(metrics)
+        for metric in metrics:
+            gain = report[key][metric]
+            change = ev[after][metric]["estimate"] - ev[before][metric]["estimate"]
             assert gain["estimate"] == pytest.approx(change)
             assert -1.0 <= gain["low"] <= gain["estimate"] <= gain["high"] <= 1.0
-    assert set(report["recovery_rate"]) == {"before", "sft", "rl"}
-    assert report["recovery_rate"]["rl"] == ev["rl-faults"]["behaviour"]["recovery_rate"]
-    # The teacher, said in the report: the fallback, a few demonstrations met a fault and retried.
-    met = sum(bool(t.faults) for t in load_tasks("tools-tiny-faults", split="train")[:4])
-    assert met == 2 and report["teacher"].startswith("2 of its 4 demonstrations met a transient fault")
+    assert "rl_minus_sft_faults" not in report and "recovery_rate" not in report
+    assert report["teacher"].startswith("clean")
+    # The SFT policy measured before RL on train tasks: what RL had to work with.
+    headroom = report["headroom"]
+    assert headroom["tasks"] == 2 and headroom["k"] == 2 and headroom["rollouts"] == 4
+    assert 0.0 <= headroom["pass_at_1"] <= headroom["pass_at_k"] <= 1.0 and headroom["verdict"]
+    assert headroom == json.loads((out / "rl" / "headroom.json").read_text())
 
     # Two GRPO steps, logged; the evaluation after RL used the last checkpoint.
     assert [r["step"] for r in report["rl_steps"]] == [1, 2]
     for r in report["rl_steps"]:  # the table's "groups dropped" column reads the trainer's own count
         assert 0 <= r["groups_dropped_zero_variance"] <= 1
+        assert r["groups_zero_variance_fraction"] == r["groups_dropped_zero_variance"]  # one group a step
+        assert r["sampled_nll"] > 0
     rl_summary = json.loads((out / "rl" / "rl_summary.json").read_text())
     assert Path(rl_summary["checkpoint"]).name == "step-000002"
 
     md = (out / "report.md").read_text()
     for row in (
-        "| before SFT, faulted tasks |",
-        "| after SFT, faulted tasks |",
-        "| after SFT, clean tasks |",
-        "| after RL (GRPO), faulted tasks |",
-        "| after RL (GRPO), clean tasks |",
+        "| before SFT |",
+        "| after SFT |",
+        "| after SFT, reworded tasks |",
+        "| after RL (GRPO) |",
+        "| after RL (GRPO), reworded tasks |",
         "| greedy pass@1 (1 run per task) | met an error | recovered |",
-        "RL over SFT on held-out pass@1, faults: ",
-        "RL over SFT on held-out greedy pass@1, clean: ",
-        "The teacher's weakness, on purpose: 2 of its 4 demonstrations",
+        "RL over SFT, pass@1 on the held-out tasks: ",
+        "RL over SFT, greedy pass@1 on the held-out tasks: ",
+        "RL over SFT, pass@1 on the reworded held-out tasks: ",
+        "The SFT policy before RL (train tasks, rl/headroom.json): ",
         "![reward curve](reward_curve.png)",
         "held-out teacher trajectories (never trained on) ",
-        "| model | " + " | ".join(f"{f} (1)" for f in sorted(families)) + " |",
+        "| GRPO step | mean reward | pass rate | groups dropped (equal rewards) | entropy |",
     ):
         assert row in md
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -114,16 +125,16 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     assert list(status["phases"]) == [
         "model",
         "teacher",
-        "eval-before-faults",
+        "eval-before",
         "sft",
-        *(f"eval-sft{s}" for s in ("-faults", "-faults-greedy", "", "-greedy")),
+        *(f"eval-sft{s}" for s in ("", "-greedy", "-reworded")),
         "rl",
-        *(f"eval-rl{s}" for s in ("-faults", "-faults-greedy", "", "-greedy")),
+        *(f"eval-rl{s}" for s in ("", "-greedy", "-reworded")),
         "report",
     ]
     assert {p["state"] for p in status["phases"].values()} == {"finished"}
-    assert status["phases"]["eval-rl-faults"]["folder"] == "eval/rl-faults"
-    for folder in ("rl", "eval/rl-faults"):
+    assert status["phases"]["eval-rl-reworded"]["folder"] == "eval/rl-reworded"
+    for folder in ("rl", "eval/rl-reworded"):
         assert json.loads((out / folder / "status.json").read_text())["state"] == "finished", folder
     assert demo.viewer_line(out).endswith(
         f"openforge view --runs {out} --model {out / 'model'}  (then http://127.0.0.1:8600/#/run/demo)"
@@ -142,3 +153,27 @@ def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_
     assert changed == [out / "status.json"]  # the rerun's own record; no phase's
     again_status = json.loads((out / "status.json").read_text())
     assert again_status["phases"] == status["phases"] | {"report": again_status["phases"]["report"]}
+
+
+def test_the_faulted_condition_trains_on_faulted_tasks_and_reports_recovery(tmp_path: Path) -> None:
+    """`faults`: RL on tools-tiny-faults, every model also on the faulted held-out tasks, the teacher's
+    few faulted demonstrations said, and the recovery rate of each model."""
+    cfg = dataclasses.replace(
+        demo.DemoConfig(out=tmp_path / "demo"),
+        **(TOY | dict(faults=True, greedy_eval=False, reworded_eval=False, headroom_tasks=0)),  # type: ignore[arg-type]
+    )
+    report = demo.run(cfg)
+    assert list(report["evaluations"]) == ["before", "before-faults", "sft", "sft-faults", "rl", "rl-faults"]
+    assert json.loads((tmp_path / "demo" / "rl" / "run.json").read_text())["tasks"] == "tools-tiny-faults"
+    gain = report["rl_minus_sft_faults"]["pass@1"]
+    ev = report["evaluations"]
+    change = ev["rl-faults"]["pass@1"]["estimate"] - ev["sft-faults"]["pass@1"]["estimate"]
+    assert gain["estimate"] == pytest.approx(change)
+    assert set(report["recovery_rate"]) == {"before", "sft", "rl"}
+    assert report["recovery_rate"]["rl"] == ev["rl-faults"]["behaviour"]["recovery_rate"]
+    met = sum(bool(t.faults) for t in load_tasks("tools-tiny-faults", split="train")[:4])
+    assert met == 2 and report["teacher"].startswith("2 of its 4 demonstrations met a transient fault")
+    assert report["headroom"] is None  # not measured
+    assert (
+        "RL over SFT, pass@1 on the faulted held-out tasks: " in (tmp_path / "demo" / "report.md").read_text()
+    )
