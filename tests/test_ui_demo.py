@@ -27,17 +27,15 @@ pytestmark = [pytest.mark.ui, pytest.mark.timeout(900)]
 PHASES = [
     "model",
     "teacher",
-    "eval-before-faults",
+    "eval-before",
     "sft",
-    "eval-sft-faults",
-    "eval-sft-faults-greedy",
     "eval-sft",
     "eval-sft-greedy",
+    "eval-sft-reworded",
     "rl",
-    "eval-rl-faults",
-    "eval-rl-faults-greedy",
     "eval-rl",
     "eval-rl-greedy",
+    "eval-rl-reworded",
     "report",
 ]
 
@@ -83,10 +81,10 @@ def test_the_demo_is_one_run_with_its_phases_and_their_states(api: TestClient, d
     assert {p["status"]["state"] for p in phases} == {"finished"}
     by = {p["phase"]: p for p in phases}
     assert by["model"]["run"] is None and by["report"]["run"] is None  # a model folder is not a run
-    assert by["eval-rl-faults"]["run"] == "demo-quick/eval/rl-faults"  # nested eval/ folders found
-    assert by["eval-rl-faults"]["status"]["source"] == "status.json"  # written by run_eval itself
+    assert by["eval-rl-reworded"]["run"] == "demo-quick/eval/rl-reworded"  # nested eval/ folders found
+    assert by["eval-rl-reworded"]["status"]["source"] == "status.json"  # written by run_eval itself
     assert by["sft"]["status"]["source"] == "the run's status.json"  # the demo's record of it
-    assert by["rl"]["steps"] == 2
+    assert by["rl"]["steps"] == 2  # training steps: the starting policy's measurements (step 0) are not one
     # The RL steps are steps of the rl run, each with its rollouts.
     rl = api.get("/api/run", params={"run": "demo-quick/rl"}).json()
     assert rl["status"]["state"] == "finished"
@@ -98,19 +96,21 @@ def test_comparison_api_is_report_json(api: TestClient, demo_dir: Path) -> None:
     report = report_of(demo_dir)
     groups = api.get("/api/run", params={"run": "demo-quick"}).json()["comparisons"]
     assert [[name.rsplit("/", 1)[1] for name in g["runs"]] for g in groups] == [
-        ["before-faults", "sft-faults", "rl-faults"],
-        ["sft-faults-greedy", "rl-faults-greedy"],
-        ["sft", "rl"],
+        ["before", "sft", "rl"],
         ["sft-greedy", "rl-greedy"],
+        ["sft-reworded", "rl-reworded"],
     ]
-    for condition, stage in (("faults", "-faults"), ("clean", "")):
-        for metric, greedy in (("pass@1", ""), ("greedy pass@1", "-greedy")):
-            runs = [f"demo-quick/eval/sft{stage}{greedy}", f"demo-quick/eval/rl{stage}{greedy}"]
-            got = api.get("/api/compare", params=[("runs", r) for r in runs]).json()
-            row = next(m for m in got["overall"] if m["metric"] == "pass@1")
-            assert row["differences"] == [report[f"rl_minus_sft_{condition}"][metric]]
+    for key, metric, stage in (
+        ("rl_minus_sft", "pass@1", ""),
+        ("rl_minus_sft", "greedy pass@1", "-greedy"),
+        ("rl_minus_sft_reworded", "pass@1", "-reworded"),
+    ):
+        runs = [f"demo-quick/eval/sft{stage}", f"demo-quick/eval/rl{stage}"]
+        got = api.get("/api/compare", params=[("runs", r) for r in runs]).json()
+        row = next(m for m in got["overall"] if m["metric"] == "pass@1")
+        assert row["differences"] == [report[key][metric]]
     # Three evaluations: before -> SFT, SFT -> RL, before -> RL, each paired over the same tasks.
-    names = [f"demo-quick/eval/{s}-faults" for s in ("before", "sft", "rl")]
+    names = [f"demo-quick/eval/{s}" for s in ("before", "sft", "rl")]
     got = api.get("/api/compare", params=[("runs", r) for r in names]).json()
     assert [(p["from"], p["to"]) for p in got["pairs"]] == [
         (names[0], names[1]),
@@ -122,17 +122,17 @@ def test_comparison_api_is_report_json(api: TestClient, demo_dir: Path) -> None:
     per = [
         {
             t["task_id"]: t["pass@k"]["1"]
-            for t in json.loads((demo_dir / f"eval/{s}-faults/report.json").read_text())["summary"][
-                "per_task"
-            ]
+            for t in json.loads((demo_dir / f"eval/{s}/report.json").read_text())["summary"]["per_task"]
         }
         for s in ("before", "sft", "rl")
     ]
     assert got["overall"][0]["differences"][2] == paired_difference(per[0], per[2]).as_dict()
-    # The same task ids with and without their faults pair too (the faults' cost); each column
-    # says which suite it evaluated.
-    mixed = api.get("/api/compare", params=[("runs", names[2]), ("runs", "demo-quick/eval/rl")]).json()
-    assert [r["tasks"] for r in mixed["reports"]] == ["tools-tiny-faults", "tools-tiny"]
+    assert got["overall"][0]["differences"][0] == report["sft_minus_before"]["pass@1"]
+    # Each column says which suite it evaluated: the reworded tasks are tools-tiny-reworded's.
+    mixed = api.get(
+        "/api/compare", params=[("runs", names[2]), ("runs", "demo-quick/eval/rl-reworded")]
+    ).json()
+    assert [r["tasks"] for r in mixed["reports"]] == ["tools-tiny", "tools-tiny-reworded"]
 
 
 def _badges(page: Any) -> dict[str, str]:
@@ -163,14 +163,15 @@ def test_runs_list_shows_one_demo_run_with_its_phases(browser: Any, url: str) ->
     page.click("table.runs tr.run-row a")
     page.wait_for_selector("table.phases")
     assert page.locator("table.phases tbody tr").count() == len(PHASES) + 1
-    assert page.locator("ul.comparisons li").count() == 4
+    assert page.locator("ul.comparisons li").count() == 3
     shot(page, "11-demo-run", full_page=True)
     # RL: one run, finished, its GRPO steps a table of their own (not rows of the runs list).
     page.click("table.phases a:text-is('rl')")
     page.wait_for_selector("table.steps")
     assert page.locator("#run-state .badge").inner_text() == "finished"
     assert page.locator("table.steps tbody tr td:first-child").all_inner_texts() == ["rl-step1", "rl-step2"]
-    assert page.locator('.chart[data-chart="Reward and pass rate"][data-points="2"]').count() == 1
+    # Step 0 (the SFT policy's headroom, measured before the first update) and the two GRPO steps.
+    assert page.locator('.chart[data-chart="Reward and pass rate"][data-points="3"]').count() == 1
     shot(page, "15-rl-steps", full_page=True)
     page.click("table.steps a:text-is('rl-step2')")
     page.wait_for_selector("table.rollouts tbody tr.link")
@@ -193,20 +194,12 @@ def test_comparison_view_before_after_matches_report_json(browser: Any, url: str
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(f"{url}/#/run/demo-quick")
-    page.click("ul.comparisons a:text-is('before-faults → sft-faults → rl-faults')")
+    page.click("ul.comparisons a:text-is('before → sft → rl')")
     page.wait_for_selector("table.compare-overall")
     heads = page.locator("table.compare-overall thead th").all_inner_texts()
-    assert heads == [
-        "metric",
-        "before-faults",
-        "sft-faults",
-        "rl-faults",
-        "sft-faults − before-faults",
-        "rl-faults − sft-faults",
-        "rl-faults − before-faults",
-    ]
+    assert heads == ["metric", "before", "sft", "rl", "sft − before", "rl − sft", "rl − before"]
     row = page.locator('table.compare-overall tr[data-metric="pass@1"] td')
-    gain = report["rl_minus_sft_faults"]["pass@1"]  # the demo's own paired RL - SFT
+    gain = report["rl_minus_sft"]["pass@1"]  # the demo's own paired RL - SFT
     rl_minus_sft = row.nth(4)
     assert {k: float(rl_minus_sft.get_attribute(f"data-{k}")) for k in ("estimate", "low", "high")} == gain
 
@@ -217,14 +210,11 @@ def test_comparison_view_before_after_matches_report_json(browser: Any, url: str
         rl_minus_sft.inner_text()
         == f"{signed(gain['estimate'])} [{signed(gain['low'])}, {signed(gain['high'])}]"
     )
-    sft_faults = report["evaluations"]["sft-faults"]["pass@1"]  # each model's own interval, as reported
-    assert (
-        row.nth(1).inner_text()
-        == f"{sft_faults['estimate']:.3f} [{sft_faults['low']:.3f}, {sft_faults['high']:.3f}]"
-    )
+    sft = report["evaluations"]["sft"]["pass@1"]  # each model's own interval, as reported
+    assert row.nth(1).inner_text() == f"{sft['estimate']:.3f} [{sft['low']:.3f}, {sft['high']:.3f}]"
     # Per task family: each of the report's families, with its paired difference.
     tags = page.locator("table.compare-tags tbody tr").evaluate_all("rows => rows.map(r => r.dataset.tag)")
-    assert tags == sorted(report["evaluations"]["sft-faults"]["by_family"])
+    assert tags == sorted(report["evaluations"]["sft"]["by_family"])
     assert page.locator("table.compare-behaviour").inner_text().count("recovered after an error") == 1
     shot(page, "12-compare-before-after", full_page=True)
 
@@ -233,13 +223,13 @@ def test_comparison_view_before_after_matches_report_json(browser: Any, url: str
     links = page.locator("table.compare-tasks tbody tr").first.locator("a.task-rollouts")
     assert links.count() == 3
     hrefs = [links.nth(i).get_attribute("href") for i in range(3)]
-    for i, stage in ((0, "before-faults"), (2, "rl-faults")):
+    for i, stage in ((0, "before"), (2, "rl")):
         page.goto(url + "/" + hrefs[i])
         page.wait_for_selector("table.rollouts tbody tr.link")
         assert page.locator("h1").inner_text() == f"demo-quick/eval/{stage}"
         tasks = page.locator("table.rollouts tbody tr td:first-child").all_inner_texts()
         assert tasks == [task, task]  # n = 2 runs of this task under this model
-        if stage == "rl-faults":
+        if stage == "rl":
             shot(page, "13-task-rollouts-after-rl", full_page=True)
             page.click("table.rollouts tbody tr.link a")
             page.wait_for_selector("#verdict .behaviour")  # the rollout's tool errors, recovery, ...
@@ -250,12 +240,12 @@ def test_comparison_view_before_after_matches_report_json(browser: Any, url: str
 def test_an_evaluation_page_has_intervals_tags_tasks_failures_behaviour(
     browser: Any, url: str, demo_dir: Path
 ) -> None:
-    own = json.loads((demo_dir / "eval" / "rl-faults" / "report.json").read_text())
+    own = json.loads((demo_dir / "eval" / "rl" / "report.json").read_text())
     page = browser.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(f"{url}/#/run/demo-quick")
-    page.click("table.phases a:text-is('eval-rl-faults')")
+    page.click("table.phases a:text-is('eval-rl')")
     page.wait_for_selector("table.eval-summary")
     p1 = own["summary"]["pass@k"]["1"]
     assert page.inner_text('table.eval-summary tr[data-metric="pass@1"] td') == (

@@ -208,7 +208,8 @@ class Viewer:
             "status": status,
             "progress": progress,
             "totals": totals,
-            "steps": len({r["step"] for r in rows}) or len(run.steps),
+            # Training steps: a step 0 line holds the starting policy's measurements (headroom, eval).
+            "steps": len({r["step"] for r in rows if r["step"] > 0}) or len(run.steps),
             "last_metrics": last,
             "report": report_headline(run.folder) if run.folder and not run.step_of else None,
         }
