@@ -1,20 +1,27 @@
-"""Learning: the demo pipeline (`openforgerl.demo`) over several seeds, side by side.
+"""Learning: the demo pipeline (`openforgerl.demo`) over several seeds, with the baselines RL must beat.
 
-For each seed, a fresh model, oracle SFT, GRPO on train tasks of which about half carry a transient
-fault, and held-out evaluations on the faulted tasks (before SFT, after SFT, after RL) and on the
-clean ones (after SFT, after RL). Reports per seed and mean ± 95% CI over seeds (Student t): held-out
-pass@1 per stage and condition (sampled at the demo's temperature, and greedy: one run per task),
-RL − SFT paired by task within each seed with its 95% interval, the recovery rate after a fault, wall
-time per phase, trainer tokens per second. Issue #21's goal: RL − SFT on faulted held-out tasks
->= +15 points with every seed's interval above 0, on clean ones >= -3 points, recovery <= 10% after
-SFT and >= 70% after RL.
+For each seed: a fresh model, oracle SFT, the SFT policy's headroom on train tasks, GRPO, and
+held-out evaluations (before SFT, after SFT, after RL; sampled n runs per task at the demo's
+temperature, and greedy), on tools-tiny's held-out tasks and on tools-tiny-reworded (the same skills
+asked in other words, never trained or tuned on). Beside RL, two baselines spend what RL spent
+(`openforgerl.rl.baselines`), each evaluated on the same held-out tasks with the same seed:
 
-    .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--quick] [--overlap]
-                                            [--teacher-faulted N] [--rl-lr LR]
-                                            [--out benchmarks/results/learning.json]
+- `sft-more`: SFT continued from the SFT model on the teacher's data, for as many trained tokens as
+  RL's trainer went through, at a constant `--baseline-lr`;
+- `rft`: rejection-sampling fine-tuning: the SFT model's own rollouts on train tasks, as many as RL
+  made (steps x tasks x G, first generation batch), the passed ones kept, SFT on them for the same
+  tokens at the same rate.
 
-Each seed's run folder (default benchmarks/results/learning-runs/seed-N) is kept: a rerun
-continues unfinished seeds instead of starting over. Prints JSON and a Markdown table.
+Every difference is paired by task within a seed, with its 95% bootstrap interval over tasks; the
+summary gives mean ± 95% CI over seeds (Student t). Issue #33's goal: RL − SFT held-out pass@1 >= +10
+points with every seed's interval above 0, greedy not lower.
+
+    .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--quick] [--no-baselines] [--faults]
+                                            [--set KEY=VALUE ...] [--out benchmarks/results/learning.json]
+
+`--set` overrides a DemoConfig field (`--set rl_lr=1e-4 --set temperature=1.0`). Each seed's run
+folder (default benchmarks/results/learning-runs/seed-N) is kept: a rerun continues unfinished
+seeds and phases instead of starting over. Prints JSON and Markdown tables.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from openforgerl import demo
 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+BASELINES = ("sft-more", "rft")
 
 
 def mean_ci(values: list[float]) -> dict[str, float]:
@@ -41,120 +50,252 @@ def mean_ci(values: list[float]) -> dict[str, float]:
     return {"mean": m, "ci95": half, "n": len(values)}
 
 
-def one_seed(
-    seed: int, root: Path, quick: bool, overlap: bool, teacher_faulted: int | None, rl_lr: float | None
-) -> dict[str, Any]:
-    cfg = demo.DemoConfig(out=root / f"seed-{seed}", seed=seed, progress=False, overlap=overlap)
-    if teacher_faulted is not None:
-        cfg = dataclasses.replace(cfg, teacher_faulted=teacher_faulted)
-    if rl_lr is not None:
-        cfg = dataclasses.replace(cfg, rl_lr=rl_lr)
+def _coerce(field: dataclasses.Field[Any], text: str) -> Any:
+    kind = str(field.type)
+    if "bool" in kind:
+        return text.lower() in {"1", "true", "yes", "on"}
+    if "int" in kind and "float" not in kind:
+        return None if text.lower() == "none" else int(text)
+    if "float" in kind:
+        return float(text)
+    return text
+
+
+def config(seed: int, root: Path, quick: bool, faults: bool, sets: list[str]) -> demo.DemoConfig:
+    cfg = demo.DemoConfig(out=root / f"seed-{seed}", seed=seed, progress=False, faults=faults)
     if quick:
         cfg = dataclasses.replace(cfg, **demo.QUICK)  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(demo.DemoConfig)}
+    for item in sets:
+        key, _, value = item.partition("=")
+        if key not in fields or key in {"out", "seed"}:
+            raise SystemExit(f"--set {item}: not a DemoConfig field ({', '.join(sorted(fields))})")
+        cfg = dataclasses.replace(cfg, **{key: _coerce(fields[key], value)})
+    return cfg
+
+
+def _pass1(report: dict[str, Any], greedy: bool = False) -> float | None:
+    summary = report.get("summary")
+    return summary["pass@k"]["1"]["estimate"] if summary else None
+
+
+def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float]) -> dict[str, Any]:
+    """sft-more and rft from the seed's SFT model, evaluated like the demo's models."""
+    from openforgerl.rl.baselines import (
+        continue_sft,
+        matched_sft_steps,
+        rejection_sampling_data,
+        rl_trained_tokens,
+    )
+    from openforgerl.rl.sft import load_sft_data
+
+    out, sft_dir = cfg.out, cfg.out / "sft"
+    tokens = rl_trained_tokens(out / "rl")
+    teacher = list(load_sft_data(out / "teacher" / "samples.jsonl", sft_dir))
+    data: dict[str, list[Any]] = {"sft-more": teacher}
+    t0 = time.monotonic()
+    rft = rejection_sampling_data(
+        sft_dir,
+        out / "baselines" / "rft-data",
+        tasks=cfg.train_suite,
+        n_tasks=cfg.rl_steps * cfg.rl_batch_tasks,
+        group=cfg.rl_group,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        max_tokens=cfg.max_tokens,
+        max_turns=cfg.max_turns,
+        concurrency=cfg.concurrency,
+        progress=False,
+        harness=cfg.harness,
+    )
+    seconds.setdefault("rft-rollouts", round(time.monotonic() - t0, 1))
+    data["rft"] = list(rft)
+    result: dict[str, Any] = {"rl_trained_tokens": tokens, "rft_data": rft.summary()}
+    for name in BASELINES:
+        model = out / "baselines" / name
+        summary_file = model / "baseline_summary.json"
+        if not summary_file.exists():
+            if not data[name]:  # RFT kept nothing: the SFT model is its own result
+                result[name] = {"skipped": "no passed rollout to train on"}
+                continue
+            t0 = time.monotonic()
+            steps = matched_sft_steps(data[name], tokens, cfg.sft_batch)
+            summary = continue_sft(
+                sft_dir,
+                data[name],
+                model,
+                steps=steps,
+                lr=lr,
+                batch_size=cfg.sft_batch,
+                seed=cfg.seed,
+                progress=False,
+            )
+            summary_file.write_text(json.dumps(summary, indent=2))
+            seconds[f"baseline-{name}"] = round(time.monotonic() - t0, 1)
+        summary = json.loads(summary_file.read_text())
+        evals = {}
+        for key, greedy in ((name, False), (f"{name}-greedy", True)):
+            report_file = out / "eval" / key / "report.json"
+            if not report_file.exists():
+                t0 = time.monotonic()
+                demo.evaluate_model(cfg, model, key, greedy, demo.SUITE)
+                seconds[f"eval-{key}"] = round(time.monotonic() - t0, 1)
+            evals[key] = json.loads(report_file.read_text())
+        all_evals = {**evals, **{k: _read_eval(out, k) for k in ("sft", "sft-greedy", "rl", "rl-greedy")}}
+        result[name] = {
+            "steps": summary["steps"],
+            "trained_tokens": summary["trained_tokens"],
+            "pass@1": _pass1(evals[name]),
+            "greedy pass@1": _pass1(evals[f"{name}-greedy"]),
+            "minus_sft": {
+                "pass@1": demo._paired_gain(all_evals, "sft", name),
+                "greedy pass@1": demo._paired_gain(all_evals, "sft-greedy", f"{name}-greedy"),
+            },
+            "rl_minus_it": {
+                "pass@1": demo._paired_gain(all_evals, name, "rl"),
+                "greedy pass@1": demo._paired_gain(all_evals, f"{name}-greedy", "rl-greedy"),
+            },
+        }
+    return result
+
+
+def _read_eval(out: Path, key: str) -> dict[str, Any]:
+    path = out / "eval" / key / "report.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def one_seed(cfg: demo.DemoConfig, with_baselines: bool, baseline_lr: float) -> dict[str, Any]:
     report = demo.run(cfg)
     ev = report["evaluations"]
-    return {
-        "seed": seed,
+    seconds = dict(report["seconds"])
+    row: dict[str, Any] = {
+        "seed": cfg.seed,
         "pass@1": {k: v["pass@1"]["estimate"] if v["pass@1"] else None for k, v in ev.items()},
         "greedy_pass@1": {
             k: v["greedy pass@1"]["estimate"] if v.get("greedy pass@1") else None for k, v in ev.items()
         },
-        # RL - SFT paired by task within this seed, with its bootstrap interval over tasks.
+        # Paired by task within this seed, each with its bootstrap interval over tasks.
+        "rl_minus_sft": report["rl_minus_sft"],
+        "rl_minus_sft_reworded": report["rl_minus_sft_reworded"],
         "rl_minus_sft_faults": report.get("rl_minus_sft_faults"),
-        "rl_minus_sft_clean": report.get("rl_minus_sft_clean"),
-        "recovery_rate": report.get("recovery_rate"),
-        "teacher": report.get("teacher"),
-        "seconds": report["seconds"],
-        "total_seconds": report["total_seconds"],
-        "trainer_tokens_per_s": report["trainer_tokens_per_s"],
+        "sft_minus_before": report["sft_minus_before"],
+        "headroom": report.get("headroom"),
+        "behaviour": {k: v.get("behaviour") for k, v in ev.items()},
+        "rl_steps": report["rl_steps"],
     }
+    if with_baselines:
+        row["baselines"] = baselines(cfg, baseline_lr, seconds)
+    row["seconds"] = seconds
+    row["total_seconds"] = round(sum(seconds.values()), 1)
+    row["trainer_tokens_per_s"] = report["trainer_tokens_per_s"]
+    return row
 
 
-STAGES = ("before-faults", "sft-faults", "rl-faults", "sft", "rl")
+def _est(g: dict[str, Any] | None) -> float | None:
+    return g["estimate"] if g else None
 
 
-def _ci(v: dict[str, float] | None, scale: float = 1.0, unit: str = "") -> str:
-    return (
-        f"{v['mean'] * scale:+.1f} ± {v['ci95'] * scale:.1f}{unit}"
-        if v and unit
-        else (f"{v['mean']:.3f} ± {v['ci95']:.3f}" if v else "—")
-    )
+def summarize(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+
+    def add(key: str, values: list[float | None]) -> None:
+        kept = [v for v in values if v is not None]
+        summary[key] = mean_ci(kept) if kept else None
+
+    for metric in ("pass@1", "greedy_pass@1"):
+        for stage in sorted({k for s in seeds for k in s[metric]}):
+            add(f"{metric}/{stage}", [s[metric].get(stage) for s in seeds])
+    for key in ("rl_minus_sft", "rl_minus_sft_reworded", "rl_minus_sft_faults", "sft_minus_before"):
+        for metric in ("pass@1", "greedy pass@1"):
+            add(f"{key}/{metric}", [_est((s.get(key) or {}).get(metric)) for s in seeds])
+    for name in BASELINES:
+        for metric in ("pass@1", "greedy pass@1"):
+            got = [s.get("baselines", {}).get(name, {}) for s in seeds]
+            add(f"{name}/{metric}", [g.get(metric) for g in got])
+            add(f"rl_minus_{name}/{metric}", [_est(g.get("rl_minus_it", {}).get(metric)) for g in got])
+    phases = sorted({p for s in seeds for p in s["seconds"]})
+    summary["seconds_median"] = {
+        p: statistics.median([s["seconds"].get(p, 0.0) for s in seeds]) for p in phases
+    }
+    summary["total_seconds_median"] = statistics.median([s["total_seconds"] for s in seeds])
+    return summary
 
 
 def _paired(g: dict[str, float] | None) -> str:
     return f"{g['estimate'] * 100:+.1f} ({g['low'] * 100:+.1f} to {g['high'] * 100:+.1f})" if g else "—"
 
 
+def _ci(v: dict[str, float] | None, points: bool = False) -> str:
+    if not v:
+        return "—"
+    return (
+        f"{v['mean'] * 100:+.1f} ± {v['ci95'] * 100:.1f}" if points else f"{v['mean']:.3f} ± {v['ci95']:.3f}"
+    )
+
+
+def markdown(seeds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    lines = [
+        "| model | held-out pass@1 (mean ± 95% CI over seeds) | greedy pass@1 |",
+        "|---|---:|---:|",
+    ]
+    for stage in ("before", "sft", *BASELINES, "rl", "sft-reworded", "rl-reworded"):
+        cells = [summary.get(f"{m}/{stage}") for m in ("pass@1", "greedy_pass@1")]
+        if any(cells):
+            lines.append(f"| {stage} | {_ci(cells[0])} | {_ci(cells[1])} |")
+    lines += ["", "| difference, points | pass@1 | greedy pass@1 |", "|---|---:|---:|"]
+    for key in ("rl_minus_sft", "rl_minus_sft_reworded", *(f"rl_minus_{b}" for b in BASELINES)):
+        cells = [summary.get(f"{key}/{m}") for m in ("pass@1", "greedy pass@1")]
+        if any(cells):
+            lines.append(f"| {key.replace('_', ' ')} | {_ci(cells[0], True)} | {_ci(cells[1], True)} |")
+    lines += [
+        "",
+        "| seed | RL − SFT pass@1, paired (95% interval) | greedy | reworded | RL − sft-more | RL − rft "
+        "| headroom: pass@1 / pass@k / mixed |",
+        "|---:|---|---|---|---|---|---|",
+    ]
+    for s in seeds:
+        b = s.get("baselines", {})
+        h = s.get("headroom") or {}
+        head = f"{h['pass_at_1']:.2f} / {h['pass_at_k']:.2f} / {h['mixed_fraction']:.2f}" if h else "—"
+        lines.append(
+            f"| {s['seed']} | {_paired(s['rl_minus_sft']['pass@1'])} | "
+            f"{_paired(s['rl_minus_sft']['greedy pass@1'])} | "
+            f"{_paired(s['rl_minus_sft_reworded']['pass@1'])} | "
+            f"{_paired(b.get('sft-more', {}).get('rl_minus_it', {}).get('pass@1'))} | "
+            f"{_paired(b.get('rft', {}).get('rl_minus_it', {}).get('pass@1'))} | {head} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--quick", action="store_true", help="toy sizes (the pipeline, not learning)")
-    ap.add_argument("--overlap", action="store_true", help="RL with rollout/training overlap")
-    ap.add_argument("--teacher-faulted", type=int, default=None, help="the demo's teacher_faulted")
-    ap.add_argument("--rl-lr", type=float, default=None, help="the demo's rl_lr")
+    ap.add_argument("--faults", action="store_true", help="the demo's faulted condition too")
+    ap.add_argument("--no-baselines", action="store_true", help="RL alone, without sft-more and rft")
+    ap.add_argument("--baseline-lr", type=float, default=1e-4, help="the baselines' constant SFT rate")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DemoConfig field")
     ap.add_argument("--runs", type=Path, default=Path("benchmarks/results/learning-runs"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/learning.json"))
     args = ap.parse_args()
-    seeds = [
-        one_seed(s, args.runs, args.quick, args.overlap, args.teacher_faulted, args.rl_lr) for s in args.seeds
-    ]
-    summary: dict[str, Any] = {}
-    for metric in ("pass@1", "greedy_pass@1"):
-        for stage in STAGES:  # greedy has no "before" (the demo skips it for the untrained model)
-            values = [s[metric].get(stage) for s in seeds if s[metric].get(stage) is not None]
-            summary[f"{metric}/{stage}"] = mean_ci(values) if values else None
-    for condition in ("faults", "clean"):
-        for metric in ("pass@1", "greedy pass@1"):
-            gains = [s[f"rl_minus_sft_{condition}"][metric] for s in seeds if s[f"rl_minus_sft_{condition}"]]
-            values = [g["estimate"] for g in gains if g]
-            summary[f"rl_minus_sft_{condition}/{metric}"] = mean_ci(values) if values else None
-    for stage in ("before", "sft", "rl"):
-        values = [s["recovery_rate"][stage] for s in seeds if s["recovery_rate"].get(stage) is not None]
-        summary[f"recovery_rate/{stage}"] = mean_ci(values) if values else None
-    phases = sorted({p for s in seeds for p in s["seconds"]})
-    summary["seconds"] = {p: statistics.median([s["seconds"].get(p, 0.0) for s in seeds]) for p in phases}
-    summary["total_seconds_median"] = statistics.median([s["total_seconds"] for s in seeds])
-    for kind in ("sft_median", "rl_median"):
-        values = [s["trainer_tokens_per_s"][kind] for s in seeds if s["trainer_tokens_per_s"][kind]]
-        summary[f"trainer_tokens_per_s/{kind.split('_')[0]}"] = statistics.median(values) if values else None
-    config = {
-        "quick": args.quick,
-        "overlap": args.overlap,
-        "teacher_faulted": args.teacher_faulted,
-        "rl_lr": args.rl_lr,
+    seeds = []
+    for seed in args.seeds:
+        cfg = config(seed, args.runs, args.quick, args.faults, args.set)
+        seeds.append(one_seed(cfg, not args.no_baselines, args.baseline_lr))
+        print(f"seed {seed}: RL - SFT pass@1 {_paired(seeds[-1]['rl_minus_sft']['pass@1'])}", flush=True)
+    summary = summarize(seeds)
+    cfg = config(args.seeds[0], args.runs, args.quick, args.faults, args.set)
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in {"out", "seed", "progress"}}
+    result = {
+        "config": {**settings, "baselines": not args.no_baselines, "baseline_lr": args.baseline_lr},
+        "seeds": seeds,
+        "summary": summary,
     }
-    result = {"config": config, "seeds": seeds, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    json.dump(result, sys.stdout, indent=2)
+    json.dump(summary, sys.stdout, indent=2)
     print()
-    print(
-        "| stage | held-out pass@1 (mean ± 95% CI over seeds) | greedy (one run per task) "
-        "| recovered after a fault |"
-    )
-    print("|---|---:|---:|---:|")
-    for stage in STAGES:
-        cells = [summary[f"{m}/{stage}"] for m in ("pass@1", "greedy_pass@1")]
-        rec = (
-            summary.get(f"recovery_rate/{stage.removesuffix('-faults')}")
-            if stage.endswith("-faults")
-            else None
-        )
-        print(f"| {stage} | {_ci(cells[0])} | {_ci(cells[1])} | {_ci(rec)} |")
-    for condition in ("faults", "clean"):
-        g, h = (summary[f"rl_minus_sft_{condition}/{m}"] for m in ("pass@1", "greedy pass@1"))
-        print(f"| RL − SFT, {condition} | {_ci(g, 100, ' points')} | {_ci(h, 100, ' points')} | |")
-    print()
-    print(
-        "| seed | RL − SFT faulted, paired (95% interval), points | greedy | RL − SFT clean | greedy "
-        "| recovery SFT → RL |"
-    )
-    print("|---:|---|---|---|---|---|")
-    for s in seeds:
-        f, c, r = s["rl_minus_sft_faults"] or {}, s["rl_minus_sft_clean"] or {}, s["recovery_rate"]
-        cells = [_paired(x.get(m)) for x in (f, c) for m in ("pass@1", "greedy pass@1")]
-        rec = " → ".join("—" if r.get(k) is None else f"{r[k]:.0%}" for k in ("sft", "rl"))
-        print(f"| {s['seed']} | {' | '.join(cells)} | {rec} |")
+    print(markdown(seeds, summary))
 
 
 if __name__ == "__main__":
