@@ -73,7 +73,7 @@ class DemoConfig:
     teacher_faulted: int = 8
     # SFT: warm-up then cosine decay. Fewer steps leave the student the headroom RL lives on (a
     # near-deterministic policy gives groups with equal rewards): see RECIPE in benchmarks/README.md.
-    sft_epochs: int = 16
+    sft_epochs: int = 10
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
@@ -104,6 +104,7 @@ class DemoConfig:
     concurrency: int = 8
     overlap: bool = False  # RL: rollouts of step t+1 run while step t trains (policy lag <= 1)
     progress: bool = True
+    until: Literal["sft"] | None = None  # stop after this phase's evaluations (None: run everything)
 
     @property
     def train_suite(self) -> str:
@@ -294,6 +295,8 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
     _phase(record, "sft", "sft", sft_summary_file.exists(), seconds, sft)
     save_timings()
     run_eval_phase("sft", sft_dir)
+    if cfg.until == "sft":  # the SFT model and its evaluations only: RL's recipe can be chosen next
+        return {"evaluations": list(evals), "seconds": seconds}
 
     opts = TrainOptions(
         model=str(sft_dir),
@@ -679,11 +682,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--harness", default="react", help="react (built in) or an agent CLI, e.g. mini-swe-agent, pi"
     )
+    ap.add_argument(
+        "--until",
+        choices=["sft"],
+        default=None,
+        help="stop after the SFT model's evaluations (a rerun continues)",
+    )
     args = ap.parse_args(argv)
-    cfg = DemoConfig(out=args.out, seed=args.seed, harness=args.harness, progress=not args.no_progress)
+    cfg = DemoConfig(
+        out=args.out, seed=args.seed, harness=args.harness, progress=not args.no_progress, until=args.until
+    )
     if args.quick:
         cfg = dataclasses.replace(cfg, **QUICK)  # type: ignore[arg-type]
     report = run(cfg)
+    if cfg.until:
+        print(
+            f"stopped after {cfg.until}: {', '.join(report['evaluations'])} evaluated; "
+            "rerun without --until to go on"
+        )
+        return
     print((cfg.out / "report.md").read_text())
     print(f"report: {cfg.out / 'report.md'}; curve: {cfg.out / 'reward_curve.png'}")
     print(viewer_line(cfg.out))
