@@ -56,6 +56,7 @@ from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.tasks import load_tasks
 from openforgerl.tasks.suites.tools_tiny import oracle
+from openforgerl.testing.samples import one_turn_sample
 
 LOG_1_5, LOG_0_5, LOG_1_1 = math.log(1.5), math.log(0.5), math.log(1.1)
 
@@ -133,20 +134,6 @@ def test_truncated_importance_weights() -> None:
 # ---- the trainer -------------------------------------------------------------------------------
 
 
-def sample(prompt: list[int], completion: list[int], logprobs: list[float], rollout_id: str = "r") -> Sample:
-    n = len(completion)
-    return Sample(
-        rollout_id=rollout_id,
-        reward=0.0,
-        branch_id=0,
-        branch_reason="",
-        input_ids=prompt + completion,
-        loss_mask=[0] * len(prompt) + [1] * n,
-        logprobs=[0.0] * len(prompt) + logprobs,
-        policy_versions=[NO_VERSION] * len(prompt) + [0] * n,
-    )
-
-
 @pytest.fixture(scope="module")
 def engine_and_prompts(tiny_model_dir: Path) -> Any:
     """A running engine on the tiny model and two sampled (prompt, completion, logprobs) triples."""
@@ -168,7 +155,7 @@ def rollouts_from(triples: list[Any], rewards: list[float]) -> list[Rollout]:
     out = []
     for t, (prompt, completion, lps) in enumerate(triples):
         for k, reward in enumerate(rewards):
-            out.append(Rollout(f"task{t}", reward, [sample(prompt, completion, lps, f"t{t}-{k}")]))
+            out.append(Rollout(f"task{t}", reward, [one_turn_sample(prompt, completion, lps, f"t{t}-{k}")]))
     return out
 
 
@@ -176,12 +163,12 @@ def test_zero_variance_groups_are_dropped_and_counted(tiny_model_dir: Path, engi
     _, triples = engine_and_prompts
     p, c, lp = triples[0]
     rollouts = [
-        Rollout("same", 1.0, [sample(p, c, lp)]),
-        Rollout("same", 1.0, [sample(p, c, lp)]),
-        Rollout("mixed", 1.0, [sample(p, c, lp)]),
-        Rollout("mixed", 0.0, [sample(p, c, lp)]),
-        Rollout("alone", 1.0, [sample(p, c, lp)]),
-        Rollout("mixed", None, [sample(p, c, lp)]),  # not scored (infrastructure failure)
+        Rollout("same", 1.0, [one_turn_sample(p, c, lp)]),
+        Rollout("same", 1.0, [one_turn_sample(p, c, lp)]),
+        Rollout("mixed", 1.0, [one_turn_sample(p, c, lp)]),
+        Rollout("mixed", 0.0, [one_turn_sample(p, c, lp)]),
+        Rollout("alone", 1.0, [one_turn_sample(p, c, lp)]),
+        Rollout("mixed", None, [one_turn_sample(p, c, lp)]),  # not scored (infrastructure failure)
     ]
     kept, stats = select_groups(rollouts)
     assert [r.group for r in kept] == ["mixed", "mixed"]
@@ -346,11 +333,11 @@ def test_engine_logprobs_equal_the_trainers_after_a_step(
 
     result = asyncio.run(regenerate())
     assert result.policy_version == start + 1
-    new = sample(prompt, result.completion_ids, result.logprobs)
+    new = one_turn_sample(prompt, result.completion_ids, result.logprobs)
     recomputed = trainer.policy.sample_logprobs([new])[0][len(prompt) :]
     assert recomputed == pytest.approx(result.logprobs, abs=1e-4)
     # And the weights did change: the old completion scores differently now.
-    old = trainer.policy.sample_logprobs([sample(prompt, old_completion, old_lps)])[0][len(prompt) :]
+    old = trainer.policy.sample_logprobs([one_turn_sample(prompt, old_completion, old_lps)])[0][len(prompt) :]
     assert max(abs(a - b) for a, b in zip(old, old_lps, strict=True)) > 1e-3
     saved = json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
     assert saved["step"] == 1 and saved["policy_version"] == 1
@@ -955,7 +942,7 @@ def test_lora_trains_adapters_only_and_its_checkpoint_serves_the_trainers_logpro
     assert trainable and all("lora_" in n for n in trainable)
     # New adapters leave the function unchanged (B = 0): the start is the base model.
     base = Policy(tiny_model_dir, lr=0.0)
-    probe = [sample(p, c, lps) for p, c, lps in triples]
+    probe = [one_turn_sample(p, c, lps) for p, c, lps in triples]
     assert trainer.policy.sample_logprobs(probe) == base.sample_logprobs(probe)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
@@ -978,7 +965,7 @@ def test_lora_trains_adapters_only_and_its_checkpoint_serves_the_trainers_logpro
             await engine.close()
 
     result = asyncio.run(generate())
-    new = sample(prompt, result.completion_ids, result.logprobs)
+    new = one_turn_sample(prompt, result.completion_ids, result.logprobs)
     assert trainer.policy.sample_logprobs([new])[0][len(prompt) :] == pytest.approx(result.logprobs, abs=1e-4)
     moved = base.sample_logprobs([new])[0][len(prompt) :]
     assert max(abs(a - b) for a, b in zip(moved, result.logprobs, strict=True)) > 1e-3

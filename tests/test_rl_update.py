@@ -20,26 +20,12 @@ from openforgerl.engines.base import SamplingParams
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.rl import algos
 from openforgerl.rl.trainer import Rollout, Trainer, TrainerConfig
-from openforgerl.rollouts.trajectory import NO_VERSION, Sample
+from openforgerl.testing.samples import one_turn_sample
 
 TRAINED_PROMPTS = ["Read a.txt and b.txt.", "List the files.", "What is 2 + 3?", "Hello there"]
 UNTRAINED_PROMPTS = ["Write notes.md.", "Open the browser."]
 REWARDS = [1.0, 0.0, 1.0, 0.0]  # per group: two rollouts up, two down
 LR = 1e-3
-
-
-def _sample(prompt: list[int], completion: list[int], logprobs: list[float], rollout_id: str) -> Sample:
-    n = len(completion)
-    return Sample(
-        rollout_id=rollout_id,
-        reward=0.0,
-        branch_id=0,
-        branch_reason="",
-        input_ids=prompt + completion,
-        loss_mask=[0] * len(prompt) + [1] * n,
-        logprobs=[0.0] * len(prompt) + logprobs,
-        policy_versions=[NO_VERSION] * len(prompt) + [0] * n,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +53,12 @@ def _rollouts(sampled: dict[str, list[Any]]) -> tuple[list[Rollout], list[Rollou
     """Fresh rollouts: the trained groups (mixed rewards) and the untrained ones (equal rewards,
     which the trainer drops)."""
     trained = [
-        Rollout(text, reward, [_sample(p, c, lp, f"{text}-{k}")])
+        Rollout(text, reward, [one_turn_sample(p, c, lp, f"{text}-{k}")])
         for text in TRAINED_PROMPTS
         for k, ((p, c, lp), reward) in enumerate(zip(sampled[text], REWARDS, strict=True))
     ]
     untrained = [
-        Rollout(text, 1.0, [_sample(p, c, lp, f"{text}-{k}")])
+        Rollout(text, 1.0, [one_turn_sample(p, c, lp, f"{text}-{k}")])
         for text in UNTRAINED_PROMPTS
         for k, (p, c, lp) in enumerate(sampled[text])
     ]
