@@ -71,8 +71,9 @@ class DemoConfig:
     # With `faults`: how many of the teacher's tasks meet their transient fault (it reads the file
     # again); 8 of 400 (2%) is issue #21's fallback (benchmarks/README.md, "Recovering from tool faults").
     teacher_faulted: int = 8
-    # SFT: warm-up then cosine decay. Fewer steps leave the student the headroom RL lives on (a
-    # near-deterministic policy gives groups with equal rewards): see RECIPE in benchmarks/README.md.
+    # SFT: 10 epochs of the teacher's 400 (250 steps of 16), warm-up then cosine decay. 400 steps
+    # left a policy nearly deterministic per task (4 of 6 groups a step with equal rewards); more SFT
+    # raises the SFT score but lowers what RL adds (benchmarks/README.md, "Learning").
     sft_epochs: int = 10
     sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
@@ -82,7 +83,8 @@ class DemoConfig:
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
     rl_lr: float = 5e-5
-    rl_warmup: int = 0  # optimizer updates of linear learning-rate warm-up
+    # A fresh AdamW's first updates move every weight by about the lr whatever its gradient: warm up.
+    rl_warmup: int = 3
     rl_max_gen_batches: int = 1  # DAPO's dynamic sampling: batches drawn until every group has a signal
     # The starting policy measured on this many train tasks (k runs each) before RL: headroom.json.
     headroom_tasks: int = 16
