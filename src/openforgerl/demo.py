@@ -79,7 +79,7 @@ class DemoConfig:
     sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
     sft_batch: int = 16
     sft_eval_every: int = 100  # steps between validation losses on the held-out trajectories
-    rl_steps: int = 30
+    rl_steps: int = 20
     rl_group: int = 8  # G: rollouts per task
     rl_batch_tasks: int = 6
     rl_lr: float = 5e-5
