@@ -79,8 +79,9 @@ def _pass1(report: dict[str, Any], greedy: bool = False) -> float | None:
     return summary["pass@k"]["1"]["estimate"] if summary else None
 
 
-def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float]) -> dict[str, Any]:
-    """sft-more and rft from the seed's SFT model, evaluated like the demo's models."""
+def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: bool = True) -> dict[str, Any]:
+    """sft-more and rft from the seed's SFT model, evaluated like the demo's models; with `run`
+    False, only what an earlier run of them left in the run folder."""
     from openforgerl.rl.baselines import (
         continue_sft,
         matched_sft_steps,
@@ -93,6 +94,9 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float]) -> dic
     tokens = rl_trained_tokens(out / "rl")
     teacher = list(load_sft_data(out / "teacher" / "samples.jsonl", sft_dir))
     data: dict[str, list[Any]] = {"sft-more": teacher}
+    rft_summary = out / "baselines" / "rft-data" / "summary.json"
+    if not run and not rft_summary.exists():
+        return {"rl_trained_tokens": tokens, "not run": list(BASELINES)}
     t0 = time.monotonic()
     rft = rejection_sampling_data(
         sft_dir,
@@ -114,6 +118,8 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float]) -> dic
     for name in BASELINES:
         model = out / "baselines" / name
         summary_file = model / "baseline_summary.json"
+        if not run and not summary_file.exists():
+            continue
         if not summary_file.exists():
             if not data[name]:  # RFT kept nothing: the SFT model is its own result
                 result[name] = {"skipped": "no passed rollout to train on"}
@@ -183,8 +189,8 @@ def one_seed(cfg: demo.DemoConfig, with_baselines: bool, baseline_lr: float) -> 
         "behaviour": {k: v.get("behaviour") for k, v in ev.items()},
         "rl_steps": report["rl_steps"],
     }
-    if with_baselines:
-        row["baselines"] = baselines(cfg, baseline_lr, seconds)
+    if with_baselines or (cfg.out / "baselines").is_dir():  # without them, what an earlier run measured
+        row["baselines"] = baselines(cfg, baseline_lr, seconds, run=with_baselines)
     row["seconds"] = seconds
     row["total_seconds"] = round(sum(seconds.values()), 1)
     row["trainer_tokens_per_s"] = report["trainer_tokens_per_s"]
