@@ -30,8 +30,9 @@ RUN_FILES = (
     "evals.jsonl",
 )
 # Folders a run keeps for itself, never runs of their own: checkpoints, a trainer's per-step runner
-# records (rl/loop.py: steps/NNNNNN, evals/NNNNNN), tensorboard logs.
-NOT_RUNS = {"checkpoints", "steps", "evals", "tensorboard"}
+# records (rl/loop.py: steps/NNNNNN, evals/NNNNNN, headroom/: the starting policy measured before
+# step 1), tensorboard logs.
+NOT_RUNS = {"checkpoints", "steps", "evals", "headroom", "tensorboard"}
 MAX_DEPTH = 4  # how deep under --runs run folders are looked for (the demo's are at demo/eval/NAME)
 
 
