@@ -88,8 +88,9 @@ def test_the_demo_is_one_run_with_its_phases_and_their_states(api: TestClient, d
     # The RL steps are steps of the rl run, each with its rollouts.
     rl = api.get("/api/run", params={"run": "demo-quick/rl"}).json()
     assert rl["status"]["state"] == "finished"
-    assert [s["run_id"] for s in rl["step_runs"]] == ["rl-step1", "rl-step2"]
-    assert [s["totals"]["rollouts"] for s in rl["step_runs"]] == [4, 4]  # 2 tasks x G=2
+    # The SFT policy's headroom (2 tasks x k=2, before step 1), then the steps (2 tasks x G=2 each).
+    assert [s["run_id"] for s in rl["step_runs"]] == ["rl-headroom", "rl-step1", "rl-step2"]
+    assert [s["totals"]["rollouts"] for s in rl["step_runs"]] == [4, 4, 4]
 
 
 def test_comparison_api_is_report_json(api: TestClient, demo_dir: Path) -> None:
@@ -167,7 +168,8 @@ def test_runs_list_shows_one_demo_run_with_its_phases(browser: Any, url: str) ->
     page.click("table.phases a:text-is('rl')")
     page.wait_for_selector("table.steps")
     assert page.locator("#run-state .badge").inner_text() == "finished"
-    assert page.locator("table.steps tbody tr td:first-child").all_inner_texts() == ["rl-step1", "rl-step2"]
+    steps = page.locator("table.steps tbody tr td:first-child").all_inner_texts()
+    assert steps == ["rl-headroom", "rl-step1", "rl-step2"]
     # Step 0 (the SFT policy's headroom, measured before the first update) and the two GRPO steps.
     assert page.locator('.chart[data-chart="Reward and pass rate"][data-points="3"]').count() == 1
     shot(page, "15-rl-steps", full_page=True)
