@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -203,8 +204,36 @@ def test_every_shape_loads_as_a_harbor_user_expects(tmp_path: Path) -> None:
             '[agent]\ntimeout_sec = "soon"',
             r"task\.toml: \[agent\] timeout_sec: Input should be a valid number",
         ),
-        ("[environment]\ncpus = -1", r"task\.toml: \[environment\] cpus: Input should be greater than 0"),
+        (
+            "[environment]\ncpus = -1",
+            r"task\.toml: \[environment\] cpus: Input should be greater than or equal to 0\.01",
+        ),
         ('[metadata]\nsplit = "later"', r"task\.toml: task 'bad': split: Input should be 'train', 'heldout'"),
+        # Absurd settings (#35): refused here, naming the field, not failed as infrastructure mid-run.
+        ("[environment]\ncpus = 1e9", r"\[environment\] cpus: Input should be less than or equal to 1024"),
+        (
+            "[environment]\nmemory_mb = 1",
+            r"\[environment\] memory_mb: Input should be greater than or equal to 16",
+        ),
+        (
+            "[environment]\nmemory_mb = 1e12",
+            r"\[environment\] memory_mb: Input should be less than or equal to 1048576",
+        ),
+        (
+            '[environment]\nmemory = "lots"',
+            r"task\.toml: \[environment\] memory: could not parse value and unit",
+        ),
+        (
+            '[environment]\nmemory = "1K"',
+            r"\[environment\] memory: Value error, memory must be from 16MiB to 1TiB",
+        ),
+        ("[agent]\ntimeout_sec = inf", r"task\.toml: \[agent\] timeout_sec: Input should be a finite number"),
+        ("[verifier]\ntimeout_sec = nan", r"\[verifier\] timeout_sec: Input should be a finite number"),
+        ("[agent]\ntimeout_sec = 0", r"\[agent\] timeout_sec: Input should be greater than 0"),
+        (
+            "[agent]\ntimeout_sec = 1e9",
+            r"\[agent\] timeout_sec: Input should be less than or equal to 604800",
+        ),
     ],
 )
 def test_a_malformed_task_toml_is_named_with_its_field(tmp_path: Path, toml: str, message: str) -> None:
@@ -212,6 +241,173 @@ def test_a_malformed_task_toml_is_named_with_its_field(tmp_path: Path, toml: str
     (folder / "task.toml").write_text(toml)
     with pytest.raises(TaskError, match=message):
         load_tasks(f"harbor:{tmp_path}")
+
+
+CANARY = "CANARY-7f3e secret runner key"
+
+
+def outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A secret file and a folder of secrets outside every task folder."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text(CANARY + "\n")
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "test.sh").write_text(f"echo {CANARY}\n")
+    return secret, tmp_path / "secrets"
+
+
+def link_out(link: Path, target: Path | str) -> None:
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    link.unlink(missing_ok=True)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "instruction.md",
+        "task.toml",
+        "tests/test.sh",
+        "tests/data.txt",
+        "tests",
+        "solution/solve.sh",
+        "solution",
+        "environment/seed.txt",
+        "environment",
+        "environment/Dockerfile",
+        "notes/anything.txt",  # read or not, nothing in a task folder leads out of it
+    ],
+)
+def test_a_harbor_file_linked_out_of_its_folder_is_refused_at_load(tmp_path: Path, rel: str) -> None:
+    """#35: instruction.md -> /etc/shadow went into the prompt; a test.sh link out was a traceback."""
+    secret, secrets = outside(tmp_path)
+    root = tmp_path / "set"
+    harbor_task(root, "fine", test_sh=REWARD_TXT, solve_sh=SOLVE_42)
+    folder = harbor_task(root, "leaky", test_sh=REWARD_TXT, solve_sh=SOLVE_42, workspace={"seed.txt": b"s\n"})
+    target = secrets if rel in ("tests", "solution", "environment") else secret
+    link_out(folder / rel, target)
+    with pytest.raises(TaskError) as info:
+        load_tasks(f"harbor:{root}")
+    message = str(info.value)
+    assert message == (
+        f"{folder / rel}: a symlink to {str(target)!r}, outside the task folder {folder}: refused (a task's "
+        "files are read only from inside its folder)"
+    )
+    assert CANARY not in message
+
+
+def test_a_link_out_through_another_link_is_refused_too(tmp_path: Path) -> None:
+    """`d/up -> ..` stays inside, but `instruction.md -> d/up/../../secret.txt` does not, though its
+    text alone looks as if it did."""
+    outside(tmp_path)
+    root = tmp_path / "set"
+    folder = harbor_task(root, "leaky", test_sh=REWARD_TXT, solve_sh=SOLVE_42)
+    (folder / "d").mkdir()
+    (folder / "d" / "up").symlink_to("..")
+    link_out(folder / "instruction.md", "d/up/../../secret.txt")
+    assert CANARY in (folder / "instruction.md").read_text()  # the link does lead to the secret
+    with pytest.raises(
+        TaskError, match=r"instruction\.md: a symlink to 'd/up/\.\./\.\./secret\.txt', outside"
+    ):
+        load_tasks(root)
+
+
+def test_links_that_stay_inside_the_folder_keep_working(tmp_path: Path) -> None:
+    root = tmp_path / "set"
+    folder = harbor_task(
+        root, "linked", test_sh=REWARD_TXT, solve_sh=SOLVE_42, workspace={"seed.txt": b"s\n"}
+    )
+    (folder / "docs").mkdir()
+    (folder / "docs" / "prompt.md").write_text("Write 42 to /app/answer.txt.\n")
+    link_out(folder / "instruction.md", "docs/prompt.md")
+    (folder / "tests" / "run.sh").symlink_to("test.sh")
+    (folder / "environment" / "latest.txt").symlink_to("seed.txt")
+    (task,) = load_tasks(root)
+    assert task.instruction == "Write 42 to /app/answer.txt."
+    assert task.files == folder / "environment"
+
+
+@pytest.mark.parametrize(
+    "rel", ["task.yaml", "run-tests.sh", "solution.sh", "Dockerfile", "tests/expected.txt", "tests"]
+)
+def test_a_terminal_bench_file_linked_out_of_its_folder_is_refused_at_load(tmp_path: Path, rel: str) -> None:
+    """#35: Terminal-Bench 1's run-tests.sh and solution.sh were read wherever they pointed, into the
+    verifier's and the solution's commands."""
+    secret, secrets = outside(tmp_path)
+    root = make_task_set(tmp_path / "set")
+    folder = root / "tb1-task"
+    target = secrets if rel == "tests" else secret
+    link_out(folder / rel, target)
+    with pytest.raises(TaskError) as info:
+        load_tasks(f"terminal-bench:{root}")
+    message = str(info.value)
+    assert message.startswith(
+        f"{folder / rel}: a symlink to {str(target)!r}, outside the task folder {folder}"
+    )
+    assert CANARY not in message and len(message.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        (
+            "instruction: x\nmax_agent_timeout_sec: .inf\n",
+            r"max_agent_timeout_sec: Input should be a finite number",
+        ),
+        (
+            "instruction: x\nmax_test_timeout_sec: -5\n",
+            r"max_test_timeout_sec: Input should be greater than 0",
+        ),
+        (
+            "instruction: x\nmax_agent_timeout_sec: soon\n",
+            r"max_agent_timeout_sec: Input should be a valid number",
+        ),
+    ],
+)
+def test_terminal_bench_timeouts_are_checked_by_their_names(
+    tmp_path: Path, yaml_text: str, message: str
+) -> None:
+    root = make_task_set(tmp_path / "set")
+    (root / "tb1-task" / "task.yaml").write_text(yaml_text)
+    with pytest.raises(TaskError, match=rf"tb1-task/task\.yaml: {message}"):
+        load_tasks(root)
+
+
+def test_an_unreadable_task_file_is_named_not_a_traceback(tmp_path: Path) -> None:
+    root = make_task_set(tmp_path / "set")
+    (root / "txt-reward" / "instruction.md").write_bytes(b"\xff\xfe not UTF-8 \x80")
+    (root / "tb1-task" / "run-tests.sh").write_bytes(b"\x80\x81")
+    with pytest.raises(TaskError) as info:
+        load_tasks(root)
+    first, second = str(info.value).splitlines()
+    assert first.startswith(f"{root}/tb1-task/run-tests.sh: not UTF-8 text: ")
+    assert second.startswith(f"{root}/txt-reward/instruction.md: not UTF-8 text: ")
+
+
+def test_every_invalid_task_folder_is_one_clean_error_line(tmp_path: Path) -> None:
+    """#35: `memory = "lots"` was a raw traceback; each bad folder is one line, exit status 1."""
+    secret, _ = outside(tmp_path)
+    root = make_task_set(tmp_path / "set")
+    (root / "image-env" / "task.toml").write_text('[environment]\nmemory = "lots"\n')
+    (root / "json-reward" / "task.toml").write_text("[agent]\ntimeout_sec = inf\n[environment]\ncpus = 1e9\n")
+    (root / "tb1-task" / "task.yaml").write_text("instruction: [unclosed\n")  # YAML's error spans lines
+    link_out(root / "partial" / "instruction.md", secret)
+    args = ["--tasks", str(root), "--gateway", "http://127.0.0.1:9", "--out", str(tmp_path / "o")]
+    for command in (["eval", *args], ["rollout", *args], ["tasks", "check", str(root)]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 1, (command, result.output)
+        assert isinstance(result.exception, SystemExit), (command, result.exception)  # not a traceback
+        lines = result.output.splitlines()
+        assert len(lines) == 4, (command, result.output)
+        assert lines[0].startswith(f"Error: {root}/image-env/task.toml: [environment] memory: ")
+        assert lines[1].startswith(
+            f"{root}/json-reward/task.toml: [agent] timeout_sec: Input should be a finite"
+        )
+        assert "[environment] cpus: Input should be less than or equal to 1024" in lines[1]
+        assert lines[2].startswith(f"{root}/partial/instruction.md: a symlink to {str(secret)!r}, outside")
+        assert lines[3].startswith(f"{root}/tb1-task/task.yaml: not valid YAML: ")
+        assert CANARY not in result.output and "Traceback" not in result.output
 
 
 def test_missing_files_are_named(tmp_path: Path) -> None:

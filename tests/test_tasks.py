@@ -80,7 +80,7 @@ def test_memory_units() -> None:
 
     assert memory("512Mi") == memory("512MiB") == 512 * 2**20
     assert memory("1G") == memory("1GB") == 10**9
-    assert memory(4096) == 4096
+    assert memory(1 << 30) == 1 << 30
 
 
 def test_jsonl_round_trip(tmp_path: Path) -> None:
@@ -106,6 +106,27 @@ BAD_CASES = [
     ({"resources": {"memory": "lots"}}, "resources.memory"),
     ({"timeout": -1}, "timeout"),
     ({"id": "has space"}, "id"),
+    # Absurd settings (#35): refused at load, naming the field, not failed mid-run as infrastructure.
+    ({"resources": {"cpus": 1e9}}, "resources.cpus: Input should be less than or equal to 1024"),
+    ({"resources": {"cpus": 0.001}}, "resources.cpus: Input should be greater than or equal to 0.01"),
+    (
+        {"resources": {"memory": 1}},
+        "resources.memory: Value error, memory must be from 16MiB to 1TiB, not 1B",
+    ),
+    ({"resources": {"memory": "1Mi"}}, "resources.memory: Value error, memory must be from 16MiB"),
+    ({"resources": {"memory": "2Ti"}}, "resources.memory: Value error, memory must be from 16MiB"),
+    ({"resources": {"pids": 10**12}}, "resources.pids: Input should be less than or equal to 4194304"),
+    ({"timeout": float("inf")}, "timeout: Input should be a finite number"),
+    ({"timeout": 0}, "timeout: Input should be greater than 0"),
+    ({"timeout": 1e9}, "timeout: Input should be less than or equal to 604800"),
+    (
+        {"verifier": {"command": "true", "timeout": float("nan")}},
+        "verifier.command.timeout: Input should be a finite",
+    ),
+    (
+        {"solution": {"command": "true", "timeout": float("inf")}},
+        "solution.timeout: Input should be a finite",
+    ),
 ]
 
 

@@ -147,8 +147,18 @@ def test_links_that_leave_the_workspace_are_refused(tmp_path: Path) -> None:
     os.symlink("../../outside", top / "sub" / "up")
     with pytest.raises(TaskError, match=r"sub/up: a symlink to '../../outside'"):
         load_task_file(tmp_path / "tasks.yaml")
-    # Made after the task was loaded, it is refused when the sandbox starts.
+    # Out through another link (#35): `sub/top -> ..` stays inside, `leak -> sub/top/../secret` looks
+    # as if it did, but resolves to the file beside the workspace.
     os.unlink(top / "sub" / "up")
+    (tmp_path / "secret.txt").write_text("CANARY\n")
+    os.symlink("..", top / "sub" / "top")
+    os.symlink("sub/top/../secret.txt", top / "leak")
+    assert (top / "leak").read_text() == "CANARY\n"
+    with pytest.raises(TaskError, match=r"leak: a symlink to 'sub/top/../secret.txt', outside the workspace"):
+        load_task_file(tmp_path / "tasks.yaml")
+    os.unlink(top / "leak")
+    os.unlink(top / "sub" / "top")
+    # Made after the task was loaded, it is refused when the sandbox starts.
     task = load_task_file(tmp_path / "tasks.yaml")[0]
     os.symlink("/", top / "root")
     with pytest.raises(SandboxError, match="outside the workspace"):

@@ -245,12 +245,16 @@ def eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) ->
 
 
 def refusing_bad_network(run: Any, opts: Any) -> Any:
-    """Live-site tasks without --network host: a usage error that names the option."""
+    """Live-site tasks without --network host: a usage error that names the option. A task set that
+    cannot be loaded: its problems (one line per bad task or folder), no traceback."""
     from openforgerl.harnesses.launch import HarnessNotInstalled
     from openforgerl.rollouts.runner import NetworkNotAllowed, TaskNeedsImage
+    from openforgerl.tasks.files import TaskError
 
     try:
         return run(opts)
+    except TaskError as exc:
+        raise click.ClickException(str(exc)) from exc
     except NetworkNotAllowed as exc:
         raise click.UsageError(str(exc)) from exc
     except TaskNeedsImage as exc:

@@ -166,20 +166,30 @@ class SandboxUnavailable(SandboxError):
     """The backend cannot provide what was asked on this machine (a missing tool); retrying won't help."""
 
 
+def link_out(top: Path, link: Path) -> str | None:
+    """The target of `link`, a symlink under `top`, where it leads out of `top`; else None. Out by its
+    text (absolute, or up past the top: so it is wherever the tree is copied) or by where it resolves on
+    this machine (through another link, e.g. `d/up -> ..` then `x -> d/up/../secret`)."""
+    target = os.readlink(link)
+    rel = link.relative_to(top).as_posix()
+    inside = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+    if posixpath.isabs(target) or inside == ".." or inside.startswith("../"):
+        return target
+    real, real_top = os.path.realpath(link), os.path.realpath(top)
+    return None if real == real_top or real.startswith(real_top.rstrip("/") + "/") else target
+
+
 def check_tree(src: Path) -> None:
     """Raises SandboxError where a workspace folder holds what cannot travel into a sandbox as it is:
-    a symlink that leads out of the folder (absolute, or up past its top), or something that is not
-    a file, a dir or a symlink (a FIFO, a socket, a device)."""
+    a symlink that leads out of the folder (`link_out`), or something that is not a file, a dir or a
+    symlink (a FIFO, a socket, a device)."""
     top = Path(src)
     for dirpath, dirnames, filenames in os.walk(top):
         for name in [*dirnames, *filenames]:
             path = Path(dirpath, name)
-            rel = path.relative_to(top).as_posix()
             mode = path.lstat().st_mode
             if stat.S_ISLNK(mode):
-                target = os.readlink(path)
-                inside = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
-                if posixpath.isabs(target) or inside == ".." or inside.startswith("../"):
+                if (target := link_out(top, path)) is not None:
                     raise SandboxError(
                         f"{path}: a symlink to {target!r}, outside the workspace {top}: "
                         "only links that stay inside it are copied into a sandbox"

@@ -1,5 +1,6 @@
-"""What every reader of task files shares: the error a bad file raises, JSON and JSONL records, and
-what a folder of task files holds (its digest, for checks and image tags)."""
+"""What every reader of task files shares: the error a bad file raises, JSON and JSONL records, a task
+folder's files read only from inside it, and what a folder of task files holds (its digest, for checks
+and image tags)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,36 @@ from typing import Any
 
 import orjson
 
+from openforgerl.sandbox.base import link_out
+
 
 class TaskError(ValueError):
     """A task file that cannot be loaded: the message names the file, the task and the problem."""
+
+
+def refuse_links_out(folder: Path) -> None:
+    """Raises TaskError, naming the link, where a task folder holds a symlink that leads out of it: a
+    task's files (instruction, tests, solution, environment, scripts) are read only from inside its
+    folder, never from /etc/shadow or /proc/self/environ, which would reach the model's prompt, the
+    store and the sandbox. Checked before anything of the folder is read."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath, name)
+            if path.is_symlink() and (target := link_out(folder, path)) is not None:
+                raise TaskError(
+                    f"{path}: a symlink to {target!r}, outside the task folder {folder}: refused (a task's "
+                    "files are read only from inside its folder)"
+                )
+
+
+def read_text(path: Path) -> str:
+    """A task file's UTF-8 text; one that cannot be read is a TaskError naming it, not a traceback."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{path}: not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise TaskError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
 
 
 def jsonl_records(path: Path) -> list[tuple[str, Any]]:

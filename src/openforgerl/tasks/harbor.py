@@ -20,6 +20,11 @@ directly (bubblewrap gives it /app, /tests and /logs/verifier), and its `environ
 holds the initial /app, copied byte for byte. `allow_internet = false` keeps the task's sandbox on the
 gateway alone even in a run with `--network host`; true (Harbor's default) leaves it to the run.
 
+A task's files are read only from inside its folder: a symlink anywhere in it that leads out (by its
+text or through another link) is refused at load, naming it, before anything is read
+(`files.refuse_links_out`). Timeouts and resources are checked at load against the task schema's
+ranges (`tasks.schema`), each problem naming its task.toml field.
+
 Terminal-Bench 1 (`task.yaml` with `instruction`, `max_agent_timeout_sec`, `max_test_timeout_sec`;
 `Dockerfile`, `run-tests.sh`, `tests/`, `solution.sh`) is read the same way: its Dockerfile is its
 image, tests go to /tests (`$TEST_DIR`), and run-tests.sh exiting 0 is reward 1.
@@ -30,14 +35,14 @@ from __future__ import annotations
 import hashlib
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openforgerl.tasks.files import TaskError, tree_digest
-from openforgerl.tasks.schema import CommandVerifier, Resources, Solution, Task
+from openforgerl.tasks.files import TaskError, read_text, refuse_links_out, tree_digest
+from openforgerl.tasks.schema import MAX_MEMORY, MIN_MEMORY, Cpus, Memory, Seconds, Task
 
 WORKDIR = "/app"
 TESTS_DIR = "/tests"
@@ -51,12 +56,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# The ranges are the task schema's (tasks.schema), checked here too so that a problem names its
+# task.toml field: `[environment] memory_mb`, not the task's `resources.memory`.
 class _Agent(_Section):
-    timeout_sec: PositiveFloat = 600.0
+    timeout_sec: Seconds = 600.0
 
 
 class _Verifier(_Section):
-    timeout_sec: PositiveFloat = 600.0
+    timeout_sec: Seconds = 600.0
     env: dict[str, str] = Field(default_factory=dict)
 
 
@@ -66,10 +73,17 @@ class _Solution(_Section):
 
 class _Environment(_Section):
     docker_image: str | None = Field(default=None, min_length=1)
-    cpus: PositiveFloat | None = None
-    memory_mb: PositiveInt | None = None
-    memory: str | None = None  # the older spelling: "4G"
+    cpus: Cpus | None = None
+    memory_mb: Annotated[int, Field(ge=MIN_MEMORY >> 20, le=MAX_MEMORY >> 20)] | None = None
+    memory: Memory | None = None  # the older spelling: "4G"
     allow_internet: bool = True
+
+
+class _TaskYamlTimeouts(_Section):
+    """Terminal-Bench 1's task.yaml timeouts, checked under their own names."""
+
+    max_agent_timeout_sec: Seconds = 360.0
+    max_test_timeout_sec: Seconds = 60.0
 
 
 class _TaskToml(_Section):
@@ -113,12 +127,14 @@ def load_harbor(root: str | Path) -> list[Task]:
     tasks, problems = [], []
     for folder in folders:
         try:
+            refuse_links_out(folder)  # before any of its files is read
             if (folder / "task.toml").is_file():
                 tasks.append(_harbor_task(folder))
             else:
                 tasks.append(_terminal_bench_task(folder))
         except TaskError as exc:
-            problems.append(str(exc))
+            # One line per bad folder: YAML's errors span several.
+            problems.append(" ".join(str(exc).split()))
     if problems:
         raise TaskError("\n".join(problems))
     return tasks
@@ -126,18 +142,16 @@ def load_harbor(root: str | Path) -> list[Task]:
 
 def _read_toml(path: Path) -> _TaskToml:
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(read_text(path))
     except tomllib.TOMLDecodeError as exc:
         raise TaskError(f"{path}: not valid TOML: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise TaskError(f"{path}: not UTF-8 text: {exc}") from exc
     try:
         return _TaskToml.model_validate(raw)
     except ValidationError as exc:
         raise TaskError(f"{path}: {_problems(exc)}") from exc
 
 
-def _memory(env: _Environment) -> int | str | None:
+def _memory(env: _Environment) -> int | None:
     if env.memory_mb is not None:
         return env.memory_mb << 20
     return env.memory
@@ -146,7 +160,7 @@ def _memory(env: _Environment) -> int | str | None:
 def _instruction(path: Path) -> str:
     if not path.is_file():
         raise TaskError(f"{path}: missing (every task needs its instruction)")
-    text = path.read_text(encoding="utf-8").strip()
+    text = read_text(path).strip()
     if not text:
         raise TaskError(f"{path}: empty")
     return text
@@ -195,24 +209,25 @@ def _harbor_task(folder: Path) -> Task:
         "files": workspace if image is None and workspace.is_dir() else {},
         "workdir": WORKDIR,
         "timeout": cfg.agent.timeout_sec,
-        "verifier": CommandVerifier(
-            command=f"bash {TESTS_DIR}/test.sh",
-            files=folder / "tests",
-            at=TESTS_DIR,
-            reward_files=REWARD_FILES,
-            env=cfg.verifier.env,
-            timeout=cfg.verifier.timeout_sec,
-        ),
-        "solution": Solution(
-            command=f"bash {SOLUTION_DIR}/solve.sh",
-            files=folder / "solution",
-            at=SOLUTION_DIR,
-            env=cfg.solution.env,
-            timeout=cfg.agent.timeout_sec,
-        )
+        # Plain data, validated with the task (`_task`): a problem is a TaskError naming the file.
+        "verifier": {
+            "command": f"bash {TESTS_DIR}/test.sh",
+            "files": folder / "tests",
+            "at": TESTS_DIR,
+            "reward_files": REWARD_FILES,
+            "env": cfg.verifier.env,
+            "timeout": cfg.verifier.timeout_sec,
+        },
+        "solution": {
+            "command": f"bash {SOLUTION_DIR}/solve.sh",
+            "files": folder / "solution",
+            "at": SOLUTION_DIR,
+            "env": cfg.solution.env,
+            "timeout": cfg.agent.timeout_sec,
+        }
         if solve.is_file()
         else None,
-        "resources": Resources.model_validate({"cpus": env.cpus, "memory": _memory(env)}),
+        "resources": {"cpus": env.cpus, "memory": _memory(env)},
         "image": image,
         "build": build,
         "needs_image": image is not None,
@@ -234,7 +249,7 @@ def _heredoc(script: str, env: str = "") -> str:
 def _terminal_bench_task(folder: Path) -> Task:
     yaml_path = folder / "task.yaml"
     try:
-        raw = yaml.safe_load(yaml_path.read_text(encoding="utf-8"))
+        raw = yaml.safe_load(read_text(yaml_path))
     except yaml.YAMLError as exc:
         raise TaskError(f"{yaml_path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
@@ -242,6 +257,10 @@ def _terminal_bench_task(folder: Path) -> Task:
     instruction = raw.get("instruction")
     if not isinstance(instruction, str) or not instruction.strip():
         raise TaskError(f"{yaml_path}: instruction: missing or empty")
+    try:
+        timeouts = _TaskYamlTimeouts.model_validate(raw)
+    except ValidationError as exc:
+        raise TaskError(f"{yaml_path}: {_problems(exc)}") from exc
     run_tests = folder / "run-tests.sh"
     if not run_tests.is_file():
         raise TaskError(f"{run_tests}: missing (a Terminal-Bench task's verifier)")
@@ -253,16 +272,14 @@ def _terminal_bench_task(folder: Path) -> Task:
         "instruction": instruction.strip(),
         "split": raw.get("split", DEFAULT_SPLIT),
         "workdir": WORKDIR,
-        "timeout": raw.get("max_agent_timeout_sec", 360.0),
+        "timeout": timeouts.max_agent_timeout_sec,
         "verifier": {
-            "command": _heredoc(run_tests.read_text(encoding="utf-8"), test_env),
+            "command": _heredoc(read_text(run_tests), test_env),
             "files": folder / "tests" if (folder / "tests").is_dir() else None,
             "at": TESTS_DIR,
-            "timeout": raw.get("max_test_timeout_sec", 60.0),
+            "timeout": timeouts.max_test_timeout_sec,
         },
-        "solution": {"command": _heredoc(solution.read_text(encoding="utf-8"))}
-        if solution.is_file()
-        else None,
+        "solution": {"command": _heredoc(read_text(solution))} if solution.is_file() else None,
         "image": image,
         "build": build,
         "needs_image": image is not None,

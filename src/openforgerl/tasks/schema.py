@@ -55,10 +55,13 @@ Fields
     Where the work directory is inside the sandbox (absolute; Harbor's ``/app``). Default: the
     backend's own (``/workspace``). The local backend needs bubblewrap for it.
 ``timeout``
-    Seconds the harness may run (default 600).
+    Seconds the harness may run (default 600). Every timeout (the verifier's and the solution's too)
+    is finite, above 0 and at most a week.
 ``resources``
     ``{memory, cpus, pids}``, each optional (the backend's default). ``memory`` takes bytes or a
-    size with a unit: ``512MiB``/``512Mi`` (binary), ``1GB``/``1G`` (decimal, as in Kubernetes).
+    size with a unit: ``512MiB``/``512Mi`` (binary), ``1GB``/``1G`` (decimal, as in Kubernetes),
+    from 16 MiB to 1 TiB; ``cpus`` from 0.01 to 1024; ``pids`` from 1 to 4194304. A value out of
+    range is refused at load, naming the field.
 ``image``
     The container image for container backends (the environment; harness adapters install on top).
 ``build``
@@ -88,13 +91,13 @@ from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
     ConfigDict,
     Discriminator,
     Field,
-    PositiveFloat,
     PositiveInt,
     Tag,
     ValidationInfo,
@@ -114,7 +117,24 @@ def _kubernetes_units(value: Any) -> Any:
     return value
 
 
-Memory = Annotated[ByteSize, BeforeValidator(_kubernetes_units)]
+# Settings no backend can honour are refused at load, naming the field, rather than failing every
+# rollout as a retried infrastructure error (or, for an infinite timeout, never stopping a hung agent).
+MAX_SECONDS = 7 * 24 * 3600.0
+MIN_CPUS, MAX_CPUS = 0.01, 1024.0  # 0.01: Docker's and the CFS quota's least share
+MIN_MEMORY, MAX_MEMORY = 16 << 20, 1 << 40  # 16 MiB .. 1 TiB
+MAX_PIDS = 1 << 22  # Linux's PID_MAX_LIMIT
+
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Cpus = Annotated[float, Field(ge=MIN_CPUS, le=MAX_CPUS, allow_inf_nan=False)]
+
+
+def _memory_range(value: ByteSize) -> ByteSize:
+    if not MIN_MEMORY <= value <= MAX_MEMORY:
+        raise ValueError(f"memory must be from 16MiB to 1TiB, not {value.human_readable()}")
+    return value
+
+
+Memory = Annotated[ByteSize, BeforeValidator(_kubernetes_units), AfterValidator(_memory_range)]
 
 
 def _check_inline_path(path: str) -> None:
@@ -161,7 +181,7 @@ def _check_inside_path(value: str | None) -> str | None:
 class CommandVerifier(_Model):
     command: str = Field(min_length=1)
     files: Files | None = None
-    timeout: PositiveFloat = 120.0
+    timeout: Seconds = 120.0
     at: str | None = None
     reward_files: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -214,7 +234,7 @@ class Solution(_Model):
     files: Files | None = None
     at: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
-    timeout: PositiveFloat = 600.0
+    timeout: Seconds = 600.0
 
     @field_validator("files", mode="before")
     @classmethod
@@ -229,8 +249,8 @@ class Solution(_Model):
 
 class Resources(_Model):
     memory: Memory | None = None
-    cpus: PositiveFloat | None = None
-    pids: PositiveInt | None = None
+    cpus: Cpus | None = None
+    pids: Annotated[int, Field(ge=1, le=MAX_PIDS)] | None = None
 
 
 class Fault(_Model):
@@ -261,7 +281,7 @@ class Task(_Model):
     harness: str | None = None
     harness_options: dict[str, Any] = Field(default_factory=dict)
     verifier: Verifier
-    timeout: PositiveFloat = 600.0
+    timeout: Seconds = 600.0
     resources: Resources = Field(default_factory=Resources)
     image: str | None = None
     build: Path | None = None
