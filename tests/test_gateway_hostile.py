@@ -3,6 +3,7 @@ caller's dialect (never a 500 or a cut-off stream), and the admin API validates 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import statistics
@@ -11,11 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import orjson
 import pytest
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types as genai_types
 
 from openforgerl.gateway.dialects import MAX_MESSAGES
+from openforgerl.gateway.workers import Workers
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
 USER = [{"role": "user", "content": "hi"}]
@@ -98,6 +104,110 @@ def test_too_many_messages_or_a_prompt_far_over_the_context_are_refused_up_front
         assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
         assert engine.prompts == []  # nothing reached the engine
         assert post(ro, "/v1/chat/completions", {"model": "m", "messages": USER}).status_code == 200
+
+
+def test_a_count_far_over_the_context_is_refused_up_front_in_the_callers_dialect(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """count_tokens and countTokens share the generation routes' bound: a 10 MB prompt is a 400
+    without a moment of rendering or tokenising on the workers every rollout shares."""
+    with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir), max_context=2048) as gw:
+        renderer, workers = gw.gateway.core.renderer, gw.gateway.core.workers
+        rendered: list[int] = []
+        real_render, real_run = renderer.render, workers.run
+        monkeypatch.setattr(renderer, "render", lambda *a, **kw: rendered.append(1) or real_render(*a, **kw))
+        shares: set[str] = set()
+        monkeypatch.setattr(workers, "run", lambda *a, share: shares.add(share) or real_run(*a, share=share))
+        huge = "y" * 10_000_000
+        ro = new_rollout(gw)
+        claude = anthropic.Anthropic(
+            base_url=ro["base_url"], api_key=ro["api_key"], max_retries=0, timeout=120
+        )
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.count_tokens(model="m", messages=[{"role": "user", "content": huge}])
+        assert refused.value.status_code == 400
+        assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        assert "prompt is too long" in refused.value.message
+        gemini = genai.Client(
+            api_key=ro["api_key"], http_options=genai_types.HttpOptions(base_url=ro["base_url"])
+        )
+        with pytest.raises(genai_errors.ClientError) as too_long:
+            gemini.models.count_tokens(model="m", contents=huge)
+        assert too_long.value.code == 400 and too_long.value.status == "INVALID_ARGUMENT"
+        assert "exceeds the maximum number of tokens allowed (2048)" in str(too_long.value.message)
+        assert rendered == []
+        # A prompt that fits is counted as before.
+        assert claude.messages.count_tokens(model="m", messages=USER).input_tokens > 0  # type: ignore[arg-type]
+        assert gemini.models.count_tokens(model="m", contents="hi").total_tokens
+        assert rendered and shares == {ro["rollout_id"]}  # the work is the rollout's share
+
+
+def _jobs(workers: Workers, shares: list[str], started: list[str], gate: threading.Event) -> list[Any]:
+    """One job per share (named share + its number), each noting it started, then holding its thread
+    until `gate` opens."""
+
+    def job(name: str) -> str:
+        started.append(name)
+        gate.wait()
+        return name
+
+    return [asyncio.ensure_future(workers.run(job, f"{s}{i}", share=s)) for i, s in enumerate(shares)]
+
+
+def test_one_rollout_cannot_hold_every_work_thread() -> None:
+    """Rollout a's heavy jobs (held on a gate) take at most all threads but one: rollout b's call is
+    served while they work, and a's others wait their turn."""
+
+    async def main() -> None:
+        workers = Workers(threads=2)
+        started: list[str] = []
+        gate = threading.Event()
+        heavy = _jobs(workers, ["a", "a", "a"], started, gate)
+        await asyncio.sleep(0)
+        assert (workers.running, {s: len(q) for s, q in workers.waiting.items()}) == ({"a": 1}, {"a": 2})
+        assert await workers.run(lambda: "b served", share="b") == "b served"  # a's jobs still hold
+        assert not any(job.done() for job in heavy)
+        gate.set()
+        assert await asyncio.gather(*heavy) == ["a0", "a1", "a2"]
+        assert sorted(started) == ["a0", "a1", "a2"] and workers.busy == 0 and not workers.served
+        workers.close()
+
+    asyncio.run(main())
+
+
+def test_a_freed_work_thread_goes_to_the_rollout_waiting_longest_unserved() -> None:
+    """One thread, rollout a's three jobs queued before b's one: b's goes second, not fourth."""
+
+    async def main() -> None:
+        workers = Workers(threads=1)
+        started: list[str] = []
+        gate = threading.Event()
+        jobs = _jobs(workers, ["a", "a", "a"], started, gate)
+        await asyncio.sleep(0)
+        jobs += _jobs(workers, ["b"], started, gate)
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(*jobs)
+        assert started == ["a0", "b0", "a1", "a2"]
+        workers.close()
+
+    asyncio.run(main())
+
+
+def test_a_job_cancelled_while_it_waits_gives_up_its_turn() -> None:
+    async def main() -> None:
+        workers = Workers(threads=1)
+        started: list[str] = []
+        gate = threading.Event()
+        first, gone, last = _jobs(workers, ["a", "b", "c"], started, gate)
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        assert await asyncio.gather(first, last) == ["a0", "c2"]
+        assert started == ["a0", "c2"] and gone.cancelled() and not workers.waiting and workers.busy == 0
+
+    asyncio.run(main())
 
 
 def test_seeds_beyond_64_bits_are_a_400_streamed_or_not(gw: Any) -> None:

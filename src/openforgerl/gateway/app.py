@@ -219,11 +219,16 @@ class Gateway:
         try:
             session = await self.dialect_routes.session(request)
             body = await read_body(request, self.max_body, json=False)
-            fields = await self.core.workers.run(_multipart, request.headers.get("content-type", ""), body)
+            share = session.rollout.id
+            fields = await self.core.workers.run(
+                _multipart, request.headers.get("content-type", ""), body, share=share
+            )
             if "file" not in fields:
                 raise bad_request("The upload needs a 'file' field (multipart/form-data).", param="file")
             filename, data = fields["file"]
-            image = await self.core.workers.run(load_image, lambda: image_from_bytes(data), "file")
+            image = await self.core.workers.run(
+                load_image, lambda: image_from_bytes(data), "file", share=share
+            )
             created = await self.core.store.put_upload(session.rollout.id, image)
             return JSONResponse(self._file_object(request, image, created, filename))
         except GatewayError as err:

@@ -304,8 +304,7 @@ class GatewayCore:
                 code="rate_limit_exceeded",
                 retry_after=1,
             )
-        if not session.upstream:
-            self._check_prompt_size(conv)
+        self._check_prompt_size(session, conv)
         self.inflight += 1  # counted from here so a burst cannot slip past the limit
         try:
             return await self._prepare(session, conv)
@@ -314,7 +313,7 @@ class GatewayCore:
             raise
 
     async def _prepare(self, session: Session, conv: Conversation) -> PreparedCall:
-        plan = await self.workers.run(self._plan, session, conv)
+        plan = await self.workers.run(self._plan, session, conv, share=session.rollout.id)
         params: SamplingParams | None = None
         body: dict[str, Any] | None = None
         if session.upstream:
@@ -363,13 +362,16 @@ class GatewayCore:
             param="messages",
         )
 
-    def _check_prompt_size(self, conv: Conversation) -> None:
-        """A 400 for a prompt certainly too long for the context, before it is rendered or tokenised.
+    def _check_prompt_size(self, session: Session, conv: Conversation) -> None:
+        """A 400 for a prompt certainly too long for the policy's context, before it is rendered or
+        tokenised (for a call or a count alike); an upstream's context is its own.
 
         No token covers more than `renderer.max_token_chars` characters, so a prompt whose messages
         hold more than that many times the context in characters (doubled, for normalisers that
         fold characters) cannot fit: answering that takes a sum instead of seconds of tokenising.
         """
+        if session.upstream:
+            return
         chars = sum(len(m.content) for m in conv.messages)
         if chars > self.max_context * self._chars_per_token:
             raise context_length_exceeded(chars // self._chars_per_token, self.max_context)
@@ -408,7 +410,8 @@ class GatewayCore:
             self.inflight -= 1
 
     async def count_tokens(self, session: Session, conv: Conversation) -> int:
-        return await self.workers.run(self._count_tokens, session, conv)
+        self._check_prompt_size(session, conv)
+        return await self.workers.run(self._count_tokens, session, conv, share=session.rollout.id)
 
     def _count_tokens(self, session: Session, conv: Conversation) -> int:
         """The prompt length this conversation would have (token memory included), without a call.

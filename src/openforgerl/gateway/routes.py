@@ -105,7 +105,7 @@ class Routes:
             images_refused.set(refused)  # in the worker's own copy of the context
             return parse(body, files)
 
-        return await self.core.workers.run(run)
+        return await self.core.workers.run(run, share=session.rollout.id)
 
     async def prepare(self, session: Session, exchange: Exchange) -> PreparedCall:
         prepared = await self.core.prepare(session, exchange.conv)
