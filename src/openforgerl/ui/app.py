@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import ipaddress
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -292,17 +293,21 @@ class Viewer:
 
 
 # -- parameters ---------------------------------------------------------------------------------
-def _int(request: Request, name: str, default: int, low: int, high: int | None = None) -> int:
+# Far past any run's last page, and small enough that the page's offset fits SQLite's 64-bit OFFSET
+# (beyond it the query raised: a plain-text 500).
+MAX_PAGE = 1 << 40
+
+
+def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
+        value = int(raw) if raw.isascii() else low - 1  # int() takes other scripts' digits too
     except ValueError:
         value = low - 1
-    if value < low or (high is not None and value > high):
-        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
-        raise ApiError(400, f"'{name}' must be an integer {bound}, got {raw!r}", name)
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be an integer from {low} to {high}, got {raw[:80]!r}", name)
     return value
 
 
@@ -311,9 +316,12 @@ def _float(request: Request, name: str) -> float | None:
     if raw is None or raw == "":
         return None
     try:
-        return float(raw)
+        value = float(raw) if raw.isascii() else math.nan
     except ValueError:
-        raise ApiError(400, f"'{name}' must be a number, got {raw!r}", name) from None
+        value = math.nan
+    if not math.isfinite(value):  # nan or inf would quietly match nothing (or everything)
+        raise ApiError(400, f"'{name}' must be a finite number, got {raw[:80]!r}", name)
+    return value
 
 
 def _sort(request: Request) -> tuple[str, bool]:
@@ -387,7 +395,7 @@ def build_app(cfg: ViewerConfig) -> Starlette:
 
     def rollouts(request: Request) -> Response:
         found = viewer.run(request)
-        page = _int(request, "page", 1, 1)
+        page = _int(request, "page", 1, 1, MAX_PAGE)
         page_size = _int(request, "page_size", 50, 1, MAX_PAGE_SIZE)
         sort, desc = _sort(request)
         filters = Filters(
