@@ -645,6 +645,8 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_have_mixed_rewards(
     assert set(read) == {drawn[2], drawn[4]}  # only the kept groups go to the trainer
     assert len(got.results) == 6 * 5  # every rollout run is counted in the step's outcomes
     assert got.metrics == {
+        "timed_out": 0,
+        "timed_out_excluded": 0,
         "dynamic/gen_batches": 3,
         "dynamic/pass_rate_drawn": (3 * 4 + 3 * 2) / 24,  # 3 groups all pass, 3 half
         "dynamic/groups_drawn": 6,
@@ -655,7 +657,8 @@ def test_dynamic_sampling_draws_batches_until_enough_groups_have_mixed_rewards(
     # Off (max_gen_batches 1): one batch, every group goes to the trainer, no dynamic metrics.
     ran.clear()
     off = collect_step(None, dataclasses.replace(opts, max_gen_batches=1), tasks, 7)  # type: ignore[arg-type]
-    assert [r[0] for r in ran] == [drawn[0:2]] and len(off.rollouts) == 10 and off.metrics == {}
+    assert [r[0] for r in ran] == [drawn[0:2]] and len(off.rollouts) == 10
+    assert off.metrics == {"timed_out": 0, "timed_out_excluded": 0}
 
 
 def test_dynamic_sampling_stops_after_max_gen_batches_and_trains_on_no_equal_group(

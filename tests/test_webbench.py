@@ -35,7 +35,7 @@ from openforgerl.tasks import (
     load_tasks,
     verify_local,
 )
-from openforgerl.tasks.verify import GatewayAccess, run_python_verifier
+from openforgerl.tasks.verify import GatewayAccess, VerifierUnavailable, run_python_verifier
 from openforgerl.web.judge import judge, parse_verdict
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
@@ -337,31 +337,41 @@ def test_the_judge_scores_through_the_gateways_upstream(
         assert "on https://www.allrecipes.com/recipe/1" in texts[-1]
 
 
-def test_judge_failures_are_verifier_errors_never_a_zero(
+def test_judge_failures_are_verifier_errors_and_a_judge_it_cannot_ask_is_infrastructure(
     gw: Any, teacher: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """What the agent left that cannot be judged is a verifier error (the runner scores it 0); a
+    judge that cannot be asked is VerifierUnavailable (the runner retries it, never scores it)."""
     verifier = PythonVerifier(python=JUDGE, kwargs={"task": TASK, "screenshots": 0})
     good = gui_workdir(tmp_path / "good", GOOD)
 
-    def fails(workdir: Path, gateway: GatewayAccess | None, message: str, **kwargs: Any) -> None:
+    def fails(
+        workdir: Path, gateway: GatewayAccess | None, message: str, *, unavailable: bool, **kwargs: Any
+    ) -> None:
         v = verifier.model_copy(update={"kwargs": verifier.kwargs | kwargs})
-        with pytest.raises(VerifierError, match=message):
+        with pytest.raises(VerifierError, match=message) as raised:
             run_python_verifier(v, workdir, gateway)
+        assert isinstance(raised.value, VerifierUnavailable) == unavailable, raised.value
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    fails(empty, access(gw), r"no \.openforge/gui/result\.json in the work directory")
+    fails(empty, access(gw), r"no \.openforge/gui/result\.json in the work directory", unavailable=False)
     monkeypatch.delenv("OPENFORGE_GATEWAY_URL", raising=False)
-    fails(good, None, "the judge needs the gateway")
-    fails(good, access(gw), "Unknown upstream 'nope'", upstream="nope")
-    fails(good, GatewayAccess("http://127.0.0.1:9", "x"), "cannot reach the gateway's admin API")
-    fails(good, GatewayAccess(gw.url, "wrong"), r"refused POST /admin/rollouts \(401\)")
+    fails(good, None, "the judge needs the gateway", unavailable=True)
+    fails(good, access(gw), "Unknown upstream 'nope'", unavailable=True, upstream="nope")
+    fails(
+        good,
+        GatewayAccess("http://127.0.0.1:9", "x"),
+        "cannot reach the gateway's admin API",
+        unavailable=True,
+    )
+    fails(good, GatewayAccess(gw.url, "wrong"), r"refused POST /admin/rollouts \(401\)", unavailable=True)
     monkeypatch.delenv(KEY_ENV)  # the judge gateway's own key trouble: the call fails, said so
-    fails(good, access(gw, run_id="nokey"), f"failed with 500: .*\\${KEY_ENV} is not set")
+    fails(good, access(gw, run_id="nokey"), f"failed with 500: .*\\${KEY_ENV} is not set", unavailable=True)
     monkeypatch.setenv(KEY_ENV, teacher["api_key"])
     # An answer without a verdict: an error, and the judge rollout is closed as failed.
     unsure = gui_workdir(tmp_path / "unsure", UNSURE)
-    fails(unsure, access(gw, run_id="unsure"), "holds no verdict")
+    fails(unsure, access(gw, run_id="unsure"), "holds no verdict", unavailable=False)
     r = httpx.get(f"{gw.url}/admin/rollouts", params={"run_id": "unsure-judge"}, headers=gw.admin_headers)
     [row] = r.json()["rollouts"]
     assert row["status"] == "failed" and row["reward"] is None and "no verdict" in row["details"]["error"]

@@ -121,6 +121,10 @@ def _run_eval(opts: EvalOptions, engine: Engine | None) -> dict[str, Any]:
         "seed": opts.seed,
         "rollouts": len(results),
         "scored": len(scored),
+        "on_failure": opts.on_failure,
+        # Beside every pass@k: what it leaves out (infrastructure, after its retries) and the
+        # agent's failures it counts (the reward's contract, docs/architecture.md).
+        **failure_counts(results),
         "outcomes": dict(collections.Counter(r.outcome or r.status.value for r in results)),
         "status": dict(collections.Counter(r.status.value for r in results)),
         "tasks_without_k_scored_runs": sorted(set(r.task_id for r in results) - set(complete)),
@@ -145,6 +149,25 @@ def _run_eval(opts: EvalOptions, engine: Engine | None) -> dict[str, Any]:
     (opts.out / "report.json").write_text(json.dumps(report, indent=2))
     (opts.out / "report.md").write_text(_markdown(report, summary.to_markdown() if summary else ""))
     return report
+
+
+def failure_counts(results: list[RolloutResult]) -> dict[str, int]:
+    """Rollouts the infrastructure failed past their retries (in no figure), and those stopped by
+    the task's wall clock or whose verifier failed on what the agent left (scored as failures)."""
+    return {
+        "infra_failed": sum(r.status == Status.INFRA_FAILED for r in results),
+        "timed_out": sum(r.outcome == "timeout" for r in results),
+        "verifier_errors": sum(r.outcome == "verifier_error" for r in results),
+    }
+
+
+def failures_line(report: dict[str, Any]) -> str:
+    """The counts of `failure_counts` in words, for a summary beside its pass@k."""
+    return (
+        f"infrastructure failures: {report['infra_failed']} (retried, then in no figure); timed out: "
+        f"{report['timed_out']} (scored by on_failure {report['on_failure']}); verifier errors on "
+        f"the agent's state: {report['verifier_errors']} (scored 0)"
+    )
 
 
 def acting_summary(results: list[RolloutResult], tasks: list[Task]) -> dict[str, Any]:
@@ -222,9 +245,10 @@ def study_markdown(study: dict[str, Any]) -> str:
     lines = [
         f"# Harness study: {study['tasks']}, n = {study['n']} runs per task, seed {study['seed']}",
         "",
-        f"| harness | version | pass@1 (95% CI) | pass^{k} | mean reward | turns | side requests | branches"
-        " | tokens per rollout | training tokens merged / per call | s per rollout | outcomes |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        f"| harness | version | pass@1 (95% CI) | pass^{k} | mean reward | infra failures | turns"
+        " | side requests | branches | tokens per rollout | training tokens merged / per call"
+        " | s per rollout | outcomes |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in study["harnesses"].items():
         summary, b = r["summary"] or {}, r["behaviour"] or {}
@@ -242,11 +266,13 @@ def study_markdown(study: dict[str, Any]) -> str:
             _interval(summary.get("mean_reward")),
         ]
         acts = [str(b.get(f"{key}_mean", "-")) for key in ("turns", "side_requests", "branches")]
-        cells = [name, r["harness_versions"].get(name, ""), *scores, *acts, f"{tokens:.0f}", merged]
+        cells = [name, r["harness_versions"].get(name, ""), *scores, str(r["infra_failed"]), *acts]
+        cells += [f"{tokens:.0f}", merged]
         cells += [str(r["seconds_per_rollout_median"]), outcomes]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
+        "infra failures: rollouts the infrastructure failed past their retries, in no figure;",
         "turns, side requests and branches are means per rollout; tokens: prompt + completion per rollout;",
         "training tokens: merged samples vs one sample per call (the ratio is what merging saves).",
     ]
@@ -304,7 +330,8 @@ def _markdown(report: dict[str, Any], summary_md: str) -> str:
             f"| {tag} | {v['tasks']} | {v['runs']} | {v['mean_reward']:.3f} | {v['pass@k']['1']:.3f} |"
             for tag, v in report["by_tag"].items()
         ]
-    return "\n".join(lines) + "\n\n" + summary_md
+    # The infrastructure's count right above the figures it is left out of.
+    return "\n".join(lines) + f"\n\n{failures_line(report)}.\n\n" + summary_md
 
 
 def _rate(value: float | None) -> str:

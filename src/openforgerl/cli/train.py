@@ -172,6 +172,15 @@ from openforgerl.rl.headroom import CHECK_TASKS
     default=TrainOptions.max_steps,
     help="GUI harness steps (default: the task's, 15).",
 )
+@click.option(
+    "--on-timeout",
+    type=click.Choice(["exclude", "zero"]),
+    default=TrainOptions.on_timeout,
+    show_default=True,
+    help="A rollout stopped by its task's time limit: left out of the policy update and counted "
+    "(`timed_out` per step), as the machine's load may be why; or trained on with reward 0. A task "
+    "with `timeout_is_failure: true` is always a failure. Held-out evaluations score it 0.",
+)
 @click.option("--concurrency", type=int, default=TrainOptions.concurrency, show_default=True)
 @click.option("--seed", type=int, default=TrainOptions.seed, show_default=True)
 @click.option(
@@ -272,6 +281,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             harness=kw["harness"],
             max_steps=kw["max_steps"],
             concurrency=kw["concurrency"],
+            on_timeout=kw["on_timeout"],
             temperature=kw["temperature"],
             seed=kw["seed"],
             eval_every=kw["eval_every"],

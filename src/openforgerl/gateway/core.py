@@ -27,7 +27,13 @@ from openforgerl.engines.base import (
     SamplingParams,
 )
 from openforgerl.engines.parsers import parse_completion, prompt_opens_reasoning
-from openforgerl.gateway.errors import ErrorKind, GatewayError, bad_request, context_length_exceeded
+from openforgerl.gateway.errors import (
+    ENGINE_UNAVAILABLE,
+    ErrorKind,
+    GatewayError,
+    bad_request,
+    context_length_exceeded,
+)
 from openforgerl.gateway.streaming import AnswerStream, Emit, message_deltas
 from openforgerl.gateway.upstream import TextMemory, Upstream
 from openforgerl.gateway.workers import Workers
@@ -522,7 +528,7 @@ class GatewayCore:
             ) from exc
         except EngineUnavailable as exc:
             self.counters["errors"] += 1
-            await self._record_failure(call, record("error", f"engine unavailable: {exc}", None, None))
+            await self._record_failure(call, record("error", f"{ENGINE_UNAVAILABLE}: {exc}", None, None))
             raise GatewayError(
                 503,
                 f"The inference engine is unavailable: {exc}",

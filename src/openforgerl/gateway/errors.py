@@ -20,6 +20,10 @@ ErrorKind = Literal[
     "internal",
 ]
 
+# How a call's record begins its error when the engine was unavailable (not the agent's doing: the
+# runner retries such a rollout as infrastructure).
+ENGINE_UNAVAILABLE = "engine unavailable"
+
 
 class GatewayError(Exception):
     """An error answered to the caller with `status`, in the caller's dialect."""

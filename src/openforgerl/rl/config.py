@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from openforgerl.rollouts.runner import OnFailure
 
+OnTimeout = Literal["exclude", "zero"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
@@ -137,7 +138,11 @@ class TrainOptions:
     max_context: int | None = None  # prompt + completion; None: the model's own context length
     concurrency: int = 8
     temperature: float = 1.0
-    on_failure: OnFailure = "zero"
+    on_failure: OnFailure = "zero"  # a harness that crashed (or timed out, with on_timeout "zero")
+    # A rollout stopped by the task's wall clock: "exclude" leaves it out of the policy update
+    # (counted per step), since on a loaded machine the clock penalises load, not the policy;
+    # "zero" trains on it as a failure. A task with `timeout_is_failure` is always a failure.
+    on_timeout: OnTimeout = "exclude"
     seed: int = 0
     eval_every: int = 0  # held-out evaluation every N steps (0: never), greedy, one run per task
     eval_split: str = "heldout"
@@ -169,6 +174,8 @@ class TrainOptions:
                 f"the trainer's temperature {self.trainer.temperature:g} is not the rollouts' "
                 f"{self.temperature:g}: set the run's temperature alone (--temperature)"
             )
+        if self.on_timeout not in ("exclude", "zero"):
+            raise ValueError(f"on_timeout must be 'exclude' or 'zero', not {self.on_timeout!r}")
         if self.temperature <= 0:
             raise ValueError(
                 f"RL samples its rollouts: the temperature must be above 0, not {self.temperature:g}"

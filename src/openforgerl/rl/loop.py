@@ -64,6 +64,12 @@ policy version, so recorded versions are right from the first call. vLLM 0.32's 
 stale LM head on reload for models with tied embeddings (see engines/vllm.py): train such models
 with the builtin engine there, or untie them.
 
+Timeouts: a rollout stopped by the task's wall clock says how loaded the machine was as much as how
+the policy did, so by default (`on_timeout="exclude"`) it is left out of the policy update, and
+each step counts `timed_out` and `timed_out_excluded`; `on_timeout="zero"`, or a task with
+`timeout_is_failure`, trains on it with reward 0. A harness that crashes is the policy's failure
+(`on_failure`), and held-out evaluations score a timeout 0 as `openforge eval` does.
+
 Each step's metrics time it: time/rollout (its rollouts, wherever they ran), time/wait (how long
 the trainer waited for them: all of time/rollout when synchronous), time/train (the trainer's
 step; time/update its optimizer loop alone), time/save, time/push, time/step (this step's wall
@@ -166,15 +172,19 @@ def run_tasks(
     sampling: dict[str, Any] | None = None,
     desc: str = "rollouts",
     cancel: Cancel | None = None,
+    training: bool = False,
 ) -> list[RolloutResult]:
     """Run every task n times through the service; `state_dir` keeps the runner's state.
-    `cancel` lets another thread stop the run (its runner cleans up as on Ctrl-C)."""
+    `cancel` lets another thread stop the run (its runner cleans up as on Ctrl-C). `training`:
+    rollouts for the policy update, where a wall-clock timeout follows `opts.on_timeout`;
+    measurements (held-out evaluation, headroom) score it as a failure, as `openforge eval` does."""
     job = RolloutJob(
         harness_choice(opts),
         run_id=run_id,
         state_path=state_dir / "runner.db",
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
+        exclude_timeouts=training and opts.on_timeout == "exclude",
         sampling=sampling or {},
     )
     return service.run(tasks, n, job, progress=opts.progress, desc=desc, leave=False, cancel=cancel)
@@ -218,6 +228,8 @@ def evaluate(
         "eval/pass@1": sum(passed(x) for x in scored) / len(scored) if scored else 0.0,
         "eval/reward_mean": sum(scored) / len(scored) if scored else 0.0,
         "eval/tasks": len(scored),
+        "eval/infra_failed": sum(r.status == Status.INFRA_FAILED for r in results),
+        "eval/timed_out": sum(r.outcome == "timeout" for r in results),
     }
 
 
@@ -297,17 +309,23 @@ def collect_step(
             opts,
             desc=f"rollouts of step {step}" + (f" (batch {batch + 1})" if batch else ""),
             cancel=cancel,
+            training=True,
         )
         if opts.max_gen_batches <= 1 or len(mixed_groups(results)) >= opts.batch_tasks:
             break
-    metrics: dict[str, Any] = {}
+    # Stopped by the wall clock, and of those left out of the update (on_timeout "exclude").
+    timed_out = [r for r in results if r.outcome == "timeout"]
+    metrics: dict[str, Any] = {
+        "timed_out": len(timed_out),
+        "timed_out_excluded": sum(r.status == Status.DROPPED for r in timed_out),
+    }
     kept = results
     if opts.max_gen_batches > 1:
         mixed = mixed_groups(results)
         chosen = set(mixed[: opts.batch_tasks])
         kept = [r for r in results if r.task_id in chosen]
         scored = [r.reward for r in results if r.status == Status.DONE and r.reward is not None]
-        metrics = {
+        metrics |= {
             "dynamic/gen_batches": batch + 1,
             "dynamic/pass_rate_drawn": sum(map(passed, scored)) / len(scored) if scored else 0.0,
             "dynamic/groups_drawn": len(drawn),
@@ -511,9 +529,8 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
                 prefetch = Prefetcher(collect, first, opts.steps, opts.max_lag)
             t_loop = time.monotonic()
             try:
-                for step in tqdm(
-                    range(first, opts.steps + 1), desc="train", unit="step", disable=not opts.progress
-                ):
+                bar = tqdm(range(first, opts.steps + 1), desc="train", unit="step", disable=not opts.progress)
+                for step in bar:
                     t0 = time.monotonic()
                     batch = prefetch.get(step) if prefetch else collect(step)
                     waited = time.monotonic() - t0
@@ -527,6 +544,8 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
                         metrics.update(evaluate(service, opts, eval_tasks, step))
                         metrics["time/eval"] = time.monotonic() - t1
                     log.write(step, metrics)
+                    if opts.progress:
+                        bar.write(step_line(step, metrics))
                     _prune(run_dir / "checkpoints", opts.keep_checkpoints)
             finally:
                 if prefetch is not None:
@@ -587,6 +606,20 @@ def _train_on(
         "pushed": time.time(),
     }
     return metrics
+
+
+def step_line(step: int, metrics: dict[str, Any]) -> str:
+    """One step in a line, as `openforge train` prints it: rewards, and the rollouts the clock stopped."""
+    m = metrics
+    line = (
+        f"step {step}: reward {m.get('reward_mean', 0.0):.3f}, pass {m.get('pass_rate', 0.0):.3f}, "
+        f"{m.get('rollouts', 0)} rollouts to the trainer; timed out {m.get('timed_out', 0)}"
+    )
+    if m.get("timed_out_excluded"):
+        line += f" ({m['timed_out_excluded']} left out)"
+    if "eval/pass@1" in m:
+        line += f"; held-out pass@1 {m['eval/pass@1']:.3f}"
+    return line
 
 
 def _count(values: Any) -> dict[str, int]:

@@ -2,12 +2,20 @@
 
 For every (task, sample) it opens a gateway rollout (its own key and base URL), starts a sandbox
 with the task's files, runs the harness inside it against the gateway, runs the verifier on the
-final state, and closes the gateway rollout with the reward. Concurrency is bounded; infrastructure
-failures (a sandbox that does not start) are retried and never counted as the policy's failure; a
-harness that crashes or times out is a policy outcome, scored by `on_failure`:
-"zero" (reward 0), "drop" (excluded from training and scores) or "verify" (the verifier judges the
-partial state). A harness may name an exit code that means its environment failed (the GUI harness's
-site or browser did not start): that is an infrastructure failure too, retried and never scored.
+final state, and closes the gateway rollout with the reward. Concurrency is bounded.
+
+The reward's contract (docs/architecture.md): what the agent cannot cause is infrastructure,
+retried and, past the retries, reported as `infra_failed`, never scored: a sandbox (or its image, or
+the task's set-up) that does not start, the sandbox failing under a command, the engine unavailable
+to one of the rollout's model calls, a verifier that cannot be loaded or asked
+(`VerifierUnavailable`), and an exit code a harness names for its environment failing (the GUI
+harness's site or browser). What the agent can cause is scored: a harness that crashes or times out
+by `on_failure` ("zero": reward 0, "drop": excluded from training and scores, "verify": the
+verifier judges the partial state), and a verifier failing on the state the agent left (it timed
+out on a program left running, the reward file could not be written, the tests could not run) 0.
+RL alone may leave a wall-clock timeout out (`exclude_timeouts`): how long a rollout takes depends
+on the machine's load, not only on the policy.
+
 Every state change is written to the run's SQLite file before the runner moves on, so a restarted
 run skips finished rollouts and redoes only the interrupted ones.
 
@@ -26,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from openforgerl import behaviour, faults
+from openforgerl.gateway.errors import ENGINE_UNAVAILABLE
 from openforgerl.harnesses.launch import HarnessFactory, python_binds, python_hidden
 from openforgerl.rollouts import steps
 from openforgerl.rollouts.admin import AdminClient
@@ -33,7 +42,15 @@ from openforgerl.rollouts.results import RolloutResult, RunState, Status
 from openforgerl.sampling import derive_seed
 from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
 from openforgerl.tasks import Task
-from openforgerl.tasks.verify import GatewayAccess, VerifierError, VerifierResult
+from openforgerl.tasks.verify import (
+    OUTPUT_TAIL,
+    GatewayAccess,
+    VerifierError,
+    VerifierResult,
+    VerifierUnavailable,
+    bounded_details,
+    clip,
+)
 
 OnFailure = Literal["zero", "drop", "verify"]
 RunNetwork = Literal["gateway", "host"]  # what a run's sandboxes reach (see the module's doc)
@@ -50,6 +67,10 @@ class RunnerConfig:
     concurrency: int = 4
     infra_retries: int = 2
     on_failure: OnFailure = "zero"
+    # A harness stopped by the task's wall clock is left out (dropped) instead of scored by
+    # on_failure, unless its task says the limit is part of it (`Task.timeout_is_failure`): RL's
+    # choice, so that a loaded machine teaches no penalty.
+    exclude_timeouts: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
     # Seeded sampling: rollout (task, sample) samples with seeds drawn from (seed, task id, sample),
     # whatever the weights, so an evaluation repeats exactly and two models meet the same random
@@ -63,6 +84,15 @@ class RunnerConfig:
     # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
     # tasks with harness_options.start_url).
     network: RunNetwork = "gateway"
+
+
+class EngineDown(RuntimeError):
+    """The engine was unavailable to one of the rollout's model calls: the rollout did not meet the
+    policy alone, whatever it scored; infrastructure, retried."""
+
+
+# What the agent cannot cause: retried, then reported as infra_failed (the module's doc).
+INFRA_ERRORS = (SandboxStartError, VerifierUnavailable, EngineDown)
 
 
 class NetworkNotAllowed(ValueError):
@@ -184,7 +214,7 @@ class Runner:
             r.attempts = attempt + 1
             try:
                 return await self._attempt(task, r)
-            except SandboxStartError as exc:
+            except INFRA_ERRORS as exc:
                 errors.append(f"attempt {attempt + 1}: {exc}")
                 if r.gateway_rollout_id:
                     await self.admin.close_rollout(
@@ -203,6 +233,7 @@ class Runner:
 
     async def _attempt(self, task: Task, r: RolloutResult) -> RolloutResult:
         t0 = time.monotonic()
+        r.reward, r.outcome, r.details, r.seconds = None, "", {}, {}  # nothing of a failed attempt
         metadata = {"sample": r.sample, "attempt": r.attempts}
         gw = await self.admin.open_rollout(self.cfg.run_id, task.id, metadata, self._sampling(task, r.sample))
         r.gateway_rollout_id = gw.rollout_id
@@ -233,20 +264,28 @@ class Runner:
                 raise SandboxStartError(f"the harness's environment failed (exit {ran.exit_code}): {tail}")
             r.outcome = _outcome(ran)
             r.details["harness"] = {"exit_code": ran.exit_code, "tail": (ran.stdout + ran.stderr)[-2000:]}
-            if r.outcome != "ok" and self.cfg.on_failure == "drop":
+            if r.outcome == "timeout" and self.cfg.exclude_timeouts and not task.timeout_is_failure:
+                r.status, r.reward = Status.DROPPED, None
+            elif r.outcome != "ok" and self.cfg.on_failure == "drop":
                 r.status, r.reward = Status.DROPPED, None
             elif r.outcome != "ok" and self.cfg.on_failure == "zero":
                 r.status, r.reward = Status.DONE, 0.0
             else:
                 t2 = time.monotonic()
-                verdict = await self._verify(task, sandbox, r.gateway_rollout_id)
+                try:
+                    verdict = await self._verify(task, sandbox, r.gateway_rollout_id)
+                except VerifierUnavailable:
+                    raise
+                except VerifierError as exc:
+                    # It failed on what the agent left (a program left running, a reward file it
+                    # could not write, tests that cannot run): the agent's doing, scored 0. Were it
+                    # left out, a policy could turn its failures into exclusions.
+                    verdict = VerifierResult(0.0)
+                    r.outcome = "verifier_error"
+                    r.details["verifier_error"] = clip(str(exc), 2 * OUTPUT_TAIL)
                 r.seconds["verify"] = time.monotonic() - t2
                 r.status, r.reward = Status.DONE, verdict.reward
-                r.details["verifier"] = verdict.details
-        except VerifierError as exc:
-            # A broken verifier is not the policy's fault either: no reward, reported as such.
-            r.status, r.reward, r.outcome = Status.INFRA_FAILED, None, "verifier_error"
-            r.details["verifier_error"] = str(exc)
+                r.details["verifier"] = bounded_details(verdict.details)
         finally:
             await asyncio.shield(sandbox.stop())
         r.seconds["total"] = time.monotonic() - t0
@@ -255,6 +294,9 @@ class Runner:
         # The rollout's calls, read once: the behaviour metrics come from them, and the result carries
         # them on to whoever builds samples.
         r.calls = await self.admin.calls(r.gateway_rollout_id)
+        down = [c.error for c in r.calls or () if c.error.startswith(ENGINE_UNAVAILABLE)]
+        if down:
+            raise EngineDown(f"{len(down)} model call(s) met an unavailable engine: {down[0][:300]}")
         if r.calls is not None:  # how the policy acted, into the run state and the gateway's store
             acted = behaviour.of_conversation(behaviour.main_conversation(r.calls))
             r.details["behaviour"] = close["behaviour"] = acted

@@ -62,6 +62,7 @@ class RolloutJob:
     concurrency: int = 4
     infra_retries: int = 2
     on_failure: OnFailure = "zero"
+    exclude_timeouts: bool = False  # RL: a wall-clock timeout is left out, not scored (runner.py)
     sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
     seed: int | None = None  # seeded sampling (RunnerConfig.seed): reproducible, paired evaluations
     network: RunNetwork = "gateway"  # "host": the sandboxes may use the host's network (live sites)
@@ -136,6 +137,7 @@ class RolloutService:
             concurrency=job.concurrency,
             infra_retries=job.infra_retries,
             on_failure=job.on_failure,
+            exclude_timeouts=job.exclude_timeouts,
             sampling=dict(job.sampling),
             seed=job.seed,
             network=job.network,

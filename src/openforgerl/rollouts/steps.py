@@ -17,7 +17,15 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxSpec, SandboxStartError
+from openforgerl.sandbox import (
+    ExecResult,
+    Limits,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+    SandboxStartError,
+    SandboxUnavailable,
+)
 from openforgerl.sandbox.base import Network
 from openforgerl.tasks import CommandVerifier, PythonVerifier, Task
 from openforgerl.tasks.schema import Files
@@ -99,7 +107,8 @@ async def run_solution(task: Task, sandbox: Sandbox) -> ExecResult:
 
 async def verify(task: Task, sandbox: Sandbox, gateway: GatewayAccess | None = None) -> VerifierResult:
     """Scores the sandbox's final state with the task's verifier; VerifierError when the verifier
-    itself fails."""
+    fails on that state (the runner scores it 0), VerifierUnavailable when what it needs beyond the
+    state fails; the sandbox failing is SandboxStartError, as anywhere."""
     verifier = task.verifier
     if isinstance(verifier, PythonVerifier):
         with tempfile.TemporaryDirectory() as tmp:
@@ -108,9 +117,17 @@ async def verify(task: Task, sandbox: Sandbox, gateway: GatewayAccess | None = N
     assert isinstance(verifier, CommandVerifier)
     verifier_dir = verifier.at or posixpath.join(sandbox.tmpdir, VERIFIER_DIR)
     if verifier.files is not None:
-        await _put_files(sandbox, verifier.files, verifier_dir)
+        try:
+            await _put_files(sandbox, verifier.files, verifier_dir)
+        except (SandboxStartError, SandboxUnavailable):
+            raise
+        except (SandboxError, OSError, ValueError) as exc:  # the agent left something in the way
+            raise VerifierError(f"could not put the verifier's files at {verifier_dir}: {exc}") from exc
     if verifier.reward_files:  # what an earlier verification (or the agent) wrote must not count
-        await sandbox.exec(["rm", "-f", "--", *verifier.reward_files], timeout=60)
+        cleared = await sandbox.exec(["rm", "-f", "--", *verifier.reward_files], timeout=60)
+        if not cleared.ok:  # a reward file the agent made undeletable would be read as the reward
+            why = cleared.stderr[-500:].strip()
+            raise VerifierError(f"could not clear the reward files before the verifier ran: {why}")
     env = {**verifier.env, **verifier_env(task.id, verifier_dir)}
     done = await sandbox.exec(verifier.command, env=env, timeout=verifier.timeout)
     if done.timed_out:

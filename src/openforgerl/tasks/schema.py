@@ -30,19 +30,23 @@ Fields
         run with ``sh -c`` in the work directory inside the sandbox after the harness finished. It
         prints a JSON object ``{"reward": <float in [0, 1]>, ...details}`` as its last output line,
         or prints no JSON and exits 0 (reward 1) or 1 (reward 0); any other exit status, bad JSON
-        or a timeout is a verifier error, never a policy failure. ``files`` (a folder or inline,
-        like the task's) are put outside the work directory only after the harness finished, so the
-        agent never sees them. The command's environment has ``OPENFORGE_TASK_ID`` and
-        ``OPENFORGE_VERIFIER_DIR`` (where ``files`` were put), and ``env``. ``at``: an absolute
+        or a timeout is a verifier error on the state the agent left, scored 0 (the reward's
+        contract, docs/architecture.md). ``files`` (a folder or inline, like the task's) are put
+        outside the work directory only after the harness finished, so the agent never sees them.
+        The command's environment has ``OPENFORGE_TASK_ID`` and ``OPENFORGE_VERIFIER_DIR`` (where
+        ``files`` were put), and ``env``. ``at``: an absolute
         dir inside where ``files`` go instead (Harbor's ``/tests``). ``reward_files``: absolute
         paths inside (Harbor's ``/logs/verifier/reward.txt`` and ``reward.json``); the first one
         the command wrote gives the reward, its exit status does not count then: a ``.json`` file
         holds ``{"reward": x, ...details}`` (or one number under any name), any other holds a number.
-        No reward file written is a verifier error.
+        No reward file written (or one that cannot be cleared first) is a verifier error, scored 0.
     ``{python: "package.module:function", kwargs: {...}}``
         called in the runner's process as ``function(workdir: Path, **kwargs)`` on the final work
         directory (copied out of the sandbox); it returns a reward (float or bool) or a mapping
-        ``{"reward": ..., ...details}``. Never use it to execute what the agent wrote: that belongs
+        ``{"reward": ..., ...details}``; an exception it raises scores 0, unless it is
+        ``tasks.verify.VerifierUnavailable`` (what it needs beyond the work directory failed: an
+        LLM judge that cannot be asked), which the runner retries as infrastructure, as it does a
+        function that cannot be imported. Never use it to execute what the agent wrote: that belongs
         in a command verifier, inside the sandbox. A function with a ``gateway`` parameter also gets
         the gateway's URL, admin token and the scored rollout (``tasks.verify.GatewayAccess``), e.g.
         to ask an LLM judge through an upstream (``openforgerl.web.judge:judge``).
@@ -56,7 +60,12 @@ Fields
     backend's own (``/workspace``). The local backend needs bubblewrap for it.
 ``timeout``
     Seconds the harness may run (default 600). Every timeout (the verifier's and the solution's too)
-    is finite, above 0 and at most a week.
+    is finite, above 0 and at most a week. A harness stopped by it is scored as a failure in an
+    evaluation (``--on-failure``, reward 0 by default); RL leaves it out of the policy update
+    (``openforge train --on-timeout``), since how long a rollout takes depends on the machine's load.
+``timeout_is_failure``
+    The time limit is part of the task (answer within it, or fail): RL trains on a rollout stopped by
+    it with reward 0, as an evaluation scores it. Default false.
 ``resources``
     ``{memory, cpus, pids}``, each optional (the backend's default). ``memory`` takes bytes or a
     size with a unit: ``512MiB``/``512Mi`` (binary), ``1GB``/``1G`` (decimal, as in Kubernetes),
@@ -282,6 +291,7 @@ class Task(_Model):
     harness_options: dict[str, Any] = Field(default_factory=dict)
     verifier: Verifier
     timeout: Seconds = 600.0
+    timeout_is_failure: bool = False
     resources: Resources = Field(default_factory=Resources)
     image: str | None = None
     build: Path | None = None

@@ -3,12 +3,17 @@
 Sandbox backends reuse the pieces (`write_files`, `verifier_env`, `parse_verifier_output`,
 `run_python_verifier`); `prepare_local` and `verify_local` are the plain-subprocess versions, used
 by the tests and by a local backend without isolation.
+
+A verifier that fails says which kind of failure it was (the reward's contract,
+docs/architecture.md): `VerifierError`, it failed on the state the agent left (the runner scores
+it 0), or `VerifierUnavailable`, what it needs beyond that state failed (infrastructure: retried).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import os
 import shutil
@@ -24,10 +29,17 @@ import orjson
 from openforgerl.tasks.schema import CommandVerifier, Files, PythonVerifier, Task
 
 OUTPUT_TAIL = 2000  # characters of a verifier's output kept in the details
+DETAILS_LIMIT = 64 * 1024  # characters of JSON of a verifier's details kept with a rollout
 
 
 class VerifierError(RuntimeError):
-    """The verifier itself failed (crashed, timed out, printed nonsense): not the policy's fault."""
+    """The verifier failed on the state the agent left (crashed, timed out, wrote no reward, printed
+    nonsense): the agent can cause each of these, so the runner scores it 0."""
+
+
+class VerifierUnavailable(VerifierError):
+    """What the verifier needs beyond the agent's state failed (its code cannot be loaded, an LLM
+    judge cannot be asked): infrastructure, which the runner retries and never scores."""
 
 
 class SetupError(RuntimeError):
@@ -62,6 +74,38 @@ class GatewayAccess:
 class VerifierResult:
     reward: float
     details: dict[str, Any] = field(default_factory=dict)
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"... [truncated: {len(text) - limit} of {len(text)} characters left out]"
+
+
+def bounded_details(details: Mapping[str, Any], limit: int = DETAILS_LIMIT) -> dict[str, Any]:
+    """A verifier's details as a rollout stores them (plain JSON, about `limit` characters at most):
+    the smallest fields whole, the first that does not fit cut (`clip`), the rest left out, and
+    `_truncated` saying so. A reward file is the agent's to fill, so its size is not trusted."""
+    plain = json.loads(json.dumps(details, default=str))
+    sizes = {k: len(json.dumps(v)) + len(k) for k, v in plain.items()}
+    total = sum(sizes.values())
+    if total <= limit:
+        return dict(plain)
+    out: dict[str, Any] = {}
+    room = limit
+    for key in sorted(plain, key=sizes.__getitem__):
+        if sizes[key] <= room:
+            out[key], room = plain[key], room - sizes[key]
+        elif room > 100 and len(key) < room // 2:  # worth a cut value; after it nothing fits
+            out[key] = clip(plain[key] if isinstance(plain[key], str) else json.dumps(plain[key]), room)
+            room = 0
+    cut = [k for k in plain if k not in out or out[k] != plain[k]]
+    out["_truncated"] = (
+        f"the verifier's details were {total} characters, over the {limit} kept: "
+        f"{len(cut)} field(s) cut or left out ({clip(', '.join(cut), 200)})"
+    )
+    return {k: out[k] for k in [*plain, "_truncated"] if k in out}
 
 
 def reward_from_value(value: Any) -> VerifierResult:
@@ -164,12 +208,17 @@ def run_python_verifier(
     verifier: PythonVerifier, workdir: Path, gateway: GatewayAccess | None = None
 ) -> VerifierResult:
     module_name, _, function_name = verifier.python.partition(":")
-    try:
+    try:  # the task's code, not the agent's state: a verifier that cannot load is unavailable
         function = getattr(importlib.import_module(module_name), function_name)
-        kwargs = dict(verifier.kwargs)
-        if gateway is not None and _takes_gateway(function):
-            kwargs["gateway"] = gateway
+    except Exception as exc:
+        raise VerifierUnavailable(f"the verifier {verifier.python} cannot be loaded: {exc!r}") from exc
+    kwargs = dict(verifier.kwargs)
+    if gateway is not None and _takes_gateway(function):
+        kwargs["gateway"] = gateway
+    try:
         value = function(workdir, **kwargs)
+    except VerifierUnavailable as exc:
+        raise VerifierUnavailable(f"the verifier {verifier.python} failed: {exc!r}") from exc
     except Exception as exc:
         raise VerifierError(f"the verifier {verifier.python} failed: {exc!r}") from exc
     return reward_from_value(value)

@@ -18,8 +18,11 @@ Where things come from:
   scored rollout); outside a runner, OPENFORGE_GATEWAY_URL and OPENFORGE_ADMIN_TOKEN;
 - the upstream's name: the `upstream` argument, else $OPENFORGE_JUDGE_UPSTREAM, else `judge`.
 
-Anything that keeps the judge from judging (no result.json, no gateway, the judge unreachable or
-answering without a verdict) raises: the runner records a verifier error, never a silent 0.
+What keeps the judge from being asked (no gateway, the gateway or the judge unreachable or refusing)
+raises JudgeUnavailable: infrastructure, which the runner retries and never scores. A run it cannot
+judge (no result.json, an answer without a verdict) raises JudgeError: a verifier error on what the
+agent left, scored 0 (the reward's contract, docs/architecture.md), so no agent gains by making the
+judge fail.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import httpx
 import openai
 
 from openforgerl.images import Image, ImageError, image_from_bytes
-from openforgerl.tasks.verify import GatewayAccess
+from openforgerl.tasks.verify import GatewayAccess, VerifierUnavailable
 
 GUI_DIR = ".openforge/gui"
 RESULT_FILE = f"{GUI_DIR}/result.json"
@@ -62,7 +65,11 @@ that is exactly `Verdict: SUCCESS` or `Verdict: NOT SUCCESS`."""
 
 
 class JudgeError(RuntimeError):
-    """The judge could not judge: the runner records a verifier error, not a reward."""
+    """The judge could not judge what the agent left: a verifier error, scored 0."""
+
+
+class JudgeUnavailable(JudgeError, VerifierUnavailable):
+    """The judge could not be asked: infrastructure, retried and never scored."""
 
 
 def read_result(workdir: Path) -> dict[str, Any]:
@@ -181,13 +188,13 @@ def _admin(access: GatewayAccess, method: str, path: str, body: dict[str, Any]) 
             timeout=60,
         )
     except httpx.HTTPError as exc:
-        raise JudgeError(f"cannot reach the gateway's admin API at {access.url}: {exc!r}") from exc
+        raise JudgeUnavailable(f"cannot reach the gateway's admin API at {access.url}: {exc!r}") from exc
     if r.status_code >= 300:
         try:
             text = str(r.json()["error"]["message"])
         except (ValueError, KeyError, TypeError):
             text = r.text[:500]
-        raise JudgeError(f"the gateway refused {method} {path} ({r.status_code}): {text}")
+        raise JudgeUnavailable(f"the gateway refused {method} {path} ({r.status_code}): {text}")
     data: dict[str, Any] = r.json()
     return data
 
@@ -200,11 +207,11 @@ def _ask(access: GatewayAccess, rollout: dict[str, Any], messages: Any, name: st
     try:
         reply = client.chat.completions.create(model=name, messages=messages, **create)
     except openai.APIStatusError as exc:
-        raise JudgeError(
+        raise JudgeUnavailable(
             f"the judge (upstream {name!r}) failed with {exc.status_code}: {exc.message}"
         ) from exc
     except openai.APIError as exc:
-        raise JudgeError(
+        raise JudgeUnavailable(
             f"the judge (upstream {name!r}) cannot be reached through {access.url}: {exc}"
         ) from exc
     finally:
@@ -234,10 +241,10 @@ def judge(
     `temperature`: None leaves it to the judge model (reasoning models accept only their default).
     """
     if screenshots < 0:
-        raise JudgeError(f"screenshots must be >= 0, not {screenshots}")
+        raise JudgeUnavailable(f"screenshots must be >= 0, not {screenshots}")
     access = gateway or GatewayAccess.from_env()
     if access is None:
-        raise JudgeError(
+        raise JudgeUnavailable(
             "the judge needs the gateway: run it through the runner (openforge eval), or set "
             "OPENFORGE_GATEWAY_URL and OPENFORGE_ADMIN_TOKEN"
         )

@@ -274,7 +274,7 @@ class OpenForgeAgentLoop(AgentLoopBase):
         if result.status == Status.INFRA_FAILED:
             raise RolloutInfraError(
                 f"task {task.id}: the infrastructure failed ({result.outcome}): "
-                f"{result.details.get('infra_errors') or result.details.get('verifier_error')}"
+                f"{result.details.get('infra_errors')}"
             )
         if result.status == Status.DROPPED or not result.gateway_rollout_id:
             return self._finish([])
