@@ -391,6 +391,7 @@ def build_report(
             f"pass^{cfg.eval_n}": _interval(s, "pass^k", cfg.eval_n),
             "mean_reward": _interval(s, "mean_reward", 0),
             "rollouts": ev["rollouts"],
+            "infra_failed": ev.get("infra_failed", 0),  # in no figure beside it (the reward's contract)
             "outcomes": ev["outcomes"],
             # Tool errors met, recovered, gave up, read back (openforgerl.behaviour).
             "behaviour": ev.get("acting", {}).get("all", {}),
@@ -595,11 +596,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Held-out tasks, {n} sampled runs each at temperature {cfg['temperature']:g} (the RL rollouts' "
         f"temperature), seeded with {cfg['seed']} for every model: each model meets the same random "
         "numbers, so a rerun repeats its figures and the differences are the models'. 95% bootstrap "
-        "intervals over tasks.",
+        "intervals over tasks; infra failures: rollouts the infrastructure failed past their retries, "
+        "in no figure.",
         "",
         f"| model | pass@1 | pass^{n} | mean reward | rollouts | greedy pass@1 (1 run per task) | "
-        "met an error | recovered |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "met an error | recovered | infra failures |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, ev in report["evaluations"].items():
         acted = ev.get("behaviour") or {}
@@ -607,7 +609,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {names.get(key, key)} | {_fmt(ev['pass@1'])} | {_fmt(ev[f'pass^{n}'])} | "
             f"{_fmt(ev['mean_reward'])} | {ev['rollouts']} | {_fmt(ev.get('greedy pass@1'))} | "
-            f"{acted.get('rollouts_with_errors', '—')} | {'—' if recovered is None else f'{recovered:.0%}'} |"
+            f"{acted.get('rollouts_with_errors', '—')} | {'—' if recovered is None else f'{recovered:.0%}'} "
+            f"| {ev.get('infra_failed', 0)} |"
         )
     evs = report["evaluations"]
     for key, condition in (
