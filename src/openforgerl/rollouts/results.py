@@ -27,7 +27,7 @@ class Status(enum.StrEnum):
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"  # scored (reward set)
-    DROPPED = "dropped"  # a policy failure excluded by on_failure="drop"
+    DROPPED = "dropped"  # excluded: a policy failure by on_failure="drop", a timeout in RL (runner.py)
     INFRA_FAILED = "infra_failed"  # the infrastructure failed every retry: not the policy's fault
 
 
