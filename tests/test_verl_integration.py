@@ -583,3 +583,18 @@ def test_infrastructure_failure_raises_for_verl(tiny_model_dir: Path, tmp_path: 
         _agent_loop_registry.update(registered)
     assert "attempt 1" in str(failed.value) and "attempt 2" not in str(failed.value)  # no retry
     assert fake.calls == []  # the policy was never asked
+
+
+def test_verl_loop_leaves_wall_clock_timeouts_out_unless_told(tmp_path: Path) -> None:
+    """veRL's agent loop follows `openforge train --on-timeout`'s default: a rollout stopped by the wall
+    clock is left out of the update (issue #35), unless `openforge.on_timeout: zero`."""
+    from types import SimpleNamespace
+
+    from openforgerl.integrations.verl.agent_loop import LoopOptions
+    from openforgerl.tasks import CommandVerifier, Task
+
+    task = Task(id="t", instruction="x", split="train", verifier=CommandVerifier(command="true"))
+    for section, excluded in ((None, True), ({"on_timeout": "zero"}, False)):
+        loop = SimpleNamespace(options=LoopOptions.build(section, {}))
+        job = OpenForgeAgentLoop._job(loop, task, {"temperature": 0.7}, {}, tmp_path)  # type: ignore[arg-type]
+        assert job.exclude_timeouts is excluded

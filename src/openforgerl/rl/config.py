@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from openforgerl.rollouts.runner import OnFailure
+    from openforgerl.rollouts.runner import OnFailure, OnTimeout
 
-OnTimeout = Literal["exclude", "zero"]
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]

@@ -53,6 +53,7 @@ from openforgerl.tasks.verify import (
 )
 
 OnFailure = Literal["zero", "drop", "verify"]
+OnTimeout = Literal["exclude", "zero"]  # RL: a wall-clock timeout left out of the update, or scored 0
 RunNetwork = Literal["gateway", "host"]  # what a run's sandboxes reach (see the module's doc)
 VERIFIER_DIR = steps.VERIFIER_DIR  # where they were, for importers
 WORKDIR_TAR = steps.WORKDIR_TAR

@@ -52,7 +52,7 @@ from openforgerl.integrations.verl.data import AGENT_NAME, task_from_row
 from openforgerl.integrations.verl.engine import ServerManager, VerlServerEngine
 from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rollouts.results import RolloutResult, Status
-from openforgerl.rollouts.runner import OnFailure
+from openforgerl.rollouts.runner import OnFailure, OnTimeout
 from openforgerl.rollouts.service import RolloutJob, RolloutService
 from openforgerl.tasks import Task
 
@@ -72,7 +72,10 @@ class LoopOptions:
     max_turns: int = 8  # ReAct harness turns (a task's harness_options.max_turns wins)
     max_tokens: int | None = None  # per model call; None: rollout.response_length
     max_context: int | None = None  # prompt + completion of one call; None: veRL's max model length
-    on_failure: OnFailure = "zero"  # a crashed/timed-out harness: reward 0, dropped, or verified
+    on_failure: OnFailure = "zero"  # a crashed harness: reward 0, dropped, or verified
+    # A harness stopped by the task's wall clock: left out of the update ("exclude": how long a rollout
+    # takes depends on the machine's load) or scored 0 ("zero"), as in `openforge train --on-timeout`.
+    on_timeout: OnTimeout = "exclude"
     infra_retries: int = 2
     include_side_requests: bool = True  # titles, routers: their own samples, with the reward
     store_dir: str | None = None  # where each worker's gateway writes its SQLite file; None: a temp dir
@@ -254,6 +257,7 @@ class OpenForgeAgentLoop(AgentLoopBase):
             concurrency=1,
             infra_retries=o.infra_retries,
             on_failure=o.on_failure,
+            exclude_timeouts=o.on_timeout == "exclude",
             sampling={
                 "temperature": float(sampling_params.get("temperature", 1.0)),
                 "top_p": float(sampling_params.get("top_p", 1.0)),
