@@ -20,7 +20,7 @@ text: the order they had in the prompt), so a row is self-contained: it trains w
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,19 +39,27 @@ class ExportCounts:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
 
-@dataclass(slots=True)
-class _Path:
-    """The conversation up to and including one call's prompt, and what it needs to become a row."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None  # None: the call had tools whose definitions were not recorded
-    call_ids: list[int]
-    truncated: bool
-
-
 def _sent(messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as the harness sent them; its assistant turns are not this rollout's answers."""
     return [{**m, "weight": 0} if m.get("role") == "assistant" else dict(m) for m in messages]
+
+
+def branch_paths(calls: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A rollout's branches, one per ok call that no other ok call extends: the ok calls from the
+    branch's first call to that one, in order (calls in the public shape, in seq order). A branch's
+    conversation is each call's `messages_delta` followed by its `response`, call after call."""
+    paths: dict[int, list[dict[str, Any]]] = {}
+    extended: set[int] = set()
+    ok = [c for c in calls if c["status"] == "ok" and c["call_id"] is not None]
+    for c in ok:
+        parent_id = c["parent_call_id"]
+        if parent_id is None:
+            paths[c["call_id"]] = [c]
+        elif parent_id in paths:
+            extended.add(parent_id)
+            paths[c["call_id"]] = [*paths[parent_id], c]
+        # else: it extends a call that is not here, which cannot happen in a store the gateway wrote
+    return [paths[c["call_id"]] for c in ok if c["call_id"] in paths and c["call_id"] not in extended]
 
 
 def chat_rows(
@@ -63,54 +71,33 @@ def chat_rows(
 ) -> list[dict[str, Any]]:
     """One chat row per branch of the rollout (calls in seq order, as the store returns them), read
     in the public shape of a recorded call (`public_calls`, as the admin API gives them)."""
-    ok = [c for c in public_calls(calls, tokens=False) if c["status"] == "ok" and c["call_id"] is not None]
-    by_id = {c["call_id"]: c for c in ok}
-    paths: dict[int, _Path] = {}
-    extended: set[int] = set()
-    for c in ok:
-        parent_id = c["parent_call_id"]
-        parent = paths.get(parent_id) if parent_id is not None else None
-        if parent is not None:
-            extended.add(parent_id)
-            history = [*parent.messages, dict(by_id[parent_id]["response"])]
-            tools, ids, truncated = parent.tools, parent.call_ids, parent.truncated
-        elif parent_id is not None:
-            continue  # extends a call that is not here: cannot happen in a store the gateway wrote
-        else:
-            history, ids, truncated = [], [], False
-            tools = c["sampling_requested"].get("tool_definitions")
-            if tools is None and not c["sampling_requested"].get("tools"):
-                tools = []
-        paths[c["call_id"]] = _Path(
-            [*history, *_sent(c["messages_delta"])],
-            tools,
-            [*ids, c["call_id"]],
-            truncated or c["finish_reason"] == "length",
-        )
     rows = []
-    for c in ok:
-        if c["call_id"] in extended or c["call_id"] not in paths:
-            continue
-        path = paths[c["call_id"]]
-        if not include_side_requests and c["side_request"]:
+    for path in branch_paths(public_calls(calls, tokens=False)):
+        leaf, requested = path[-1], path[0]["sampling_requested"]
+        # None: the branch had tools whose definitions were not recorded
+        tools = requested.get("tool_definitions")
+        if tools is None and not requested.get("tools"):
+            tools = []
+        if not include_side_requests and leaf["side_request"]:
             counts.skip("side request")
-        elif path.truncated:
+        elif any(c["finish_reason"] == "length" for c in path):
             counts.skip("an answer was cut by max_tokens")
-        elif path.tools is None:
+        elif tools is None:
             counts.skip("tool definitions not recorded")
         else:
+            messages = [m for c in path for m in (*_sent(c["messages_delta"]), dict(c["response"]))]
             rows.append(
                 {
-                    "messages": [*path.messages, dict(c["response"])],
-                    "tools": path.tools,
+                    "messages": messages,
+                    "tools": tools,
                     "rollout_id": rollout.id,
                     "run_id": rollout.run_id,
                     "task_id": rollout.task_id,
                     "reward": rollout.reward,
-                    "branch_id": c["branch_id"],
-                    "call_ids": path.call_ids,
-                    "models": sorted({by_id[i]["model"] for i in path.call_ids}),
-                    "engines": sorted({by_id[i]["engine"] for i in path.call_ids}),
+                    "branch_id": leaf["branch_id"],
+                    "call_ids": [c["call_id"] for c in path],
+                    "models": sorted({c["model"] for c in path}),
+                    "engines": sorted({c["engine"] for c in path}),
                 }
             )
     return rows
@@ -141,6 +128,30 @@ def inline_images(row: dict[str, Any], images: Mapping[str, Image]) -> dict[str,
     return {**row, "messages": messages}
 
 
+async def selected_rollouts(
+    store: Store,
+    counts: ExportCounts,
+    *,
+    run_id: str | None = None,
+    min_reward: float | None = None,
+    statuses: Sequence[str] = ("closed",),
+) -> AsyncIterator[RolloutRow]:
+    """The store's rollouts that pass an export's filters, page by page, each counted."""
+    offset, page = 0, 500
+    while True:
+        rollouts = await store.list_rollouts(run_id=run_id, limit=page, offset=offset)
+        offset += len(rollouts)
+        for r in rollouts:
+            if statuses and r.status not in statuses:
+                continue
+            if min_reward is not None and (r.reward is None or r.reward < min_reward):
+                continue
+            counts.rollouts += 1
+            yield r
+        if len(rollouts) < page:
+            return
+
+
 async def export_sft(
     store: Store,
     out: Path,
@@ -153,29 +164,21 @@ async def export_sft(
     """Write the chat rows of the store's rollouts that pass the filters to `out` (JSONL)."""
     counts = ExportCounts()
     out.parent.mkdir(parents=True, exist_ok=True)
-    offset, page = 0, 500
     with out.open("w") as f:
-        while True:
-            rollouts = await store.list_rollouts(run_id=run_id, limit=page, offset=offset)
-            offset += len(rollouts)
-            for r in rollouts:
-                if statuses and r.status not in statuses:
-                    continue
-                if min_reward is not None and (r.reward is None or r.reward < min_reward):
-                    continue
-                counts.rollouts += 1
-                for row in chat_rows(
-                    r, await store.calls(r.id), counts, include_side_requests=include_side_requests
-                ):
-                    digests = row_digests(row)
-                    if digests:
-                        inlined = inline_images(row, await store.images(digests))
-                        if inlined is None:  # cannot happen in a store the gateway wrote
-                            counts.skip("an image is missing from the store")
-                            continue
-                        row = inlined
-                    f.write(json.dumps(row, ensure_ascii=False))
-                    f.write("\n")
-                    counts.rows += 1
-            if len(rollouts) < page:
-                return counts
+        async for r in selected_rollouts(
+            store, counts, run_id=run_id, min_reward=min_reward, statuses=statuses
+        ):
+            for row in chat_rows(
+                r, await store.calls(r.id), counts, include_side_requests=include_side_requests
+            ):
+                digests = row_digests(row)
+                if digests:
+                    inlined = inline_images(row, await store.images(digests))
+                    if inlined is None:  # cannot happen in a store the gateway wrote
+                        counts.skip("an image is missing from the store")
+                        continue
+                    row = inlined
+                f.write(json.dumps(row, ensure_ascii=False))
+                f.write("\n")
+                counts.rows += 1
+    return counts
