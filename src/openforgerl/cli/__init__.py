@@ -11,6 +11,7 @@ import click
 
 from openforgerl.cli.doctor import doctor
 from openforgerl.cli.eval import eval_cmd
+from openforgerl.cli.export_atif import export_atif_cmd
 from openforgerl.cli.export_sft import export_sft_cmd
 from openforgerl.cli.gateway import gateway
 from openforgerl.cli.gc import gc
@@ -34,6 +35,7 @@ for command in (
     model,
     gateway,
     export_sft_cmd,
+    export_atif_cmd,
     harness,
     doctor,
     gc,

@@ -14,9 +14,10 @@ from openforgerl.rl.config import SFTConfig
 @click.command("sft")
 @click.option(
     "--data",
-    type=click.Path(dir_okay=False, exists=True),
+    type=click.Path(exists=True),
     default=None,
-    help="JSONL: samples or chats (export-sft's rows; with images, the student must be a VLM).",
+    help="JSONL: samples or chats (export-sft's rows; with images, the student must be a VLM); or ATIF "
+    "trajectories: a trajectory.json, or a folder searched for trajectory*.json.",
 )
 @click.option(
     "--teacher", type=click.Choice(["oracle"]), default=None, help="Make the data with this teacher."
@@ -66,9 +67,9 @@ from openforgerl.rl.config import SFTConfig
 )
 @click.option(
     "--val-data",
-    type=click.Path(dir_okay=False, exists=True),
+    type=click.Path(exists=True),
     default=None,
-    help="JSONL like --data, never trained on: its loss is logged (val_loss) and summarised.",
+    help="Data like --data, never trained on: its loss is logged (val_loss) and summarised.",
 )
 @click.option(
     "--eval-every",
@@ -98,7 +99,7 @@ def sft_cmd(
     from openforgerl.rollouts.trajectory import Sample
 
     if (data is None) == (teacher is None):
-        raise click.UsageError("give exactly one of --data FILE.jsonl or --teacher oracle")
+        raise click.UsageError("give exactly one of --data FILE.jsonl|ATIF or --teacher oracle")
     out_dir = Path(out)
     if data is not None:
         # Rows are checked (and their images decoded) before the student's weights are loaded.

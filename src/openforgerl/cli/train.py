@@ -101,9 +101,9 @@ from openforgerl.rl.headroom import CHECK_TASKS
 )
 @click.option(
     "--ptx-data",
-    type=click.Path(exists=True, dir_okay=False),
+    type=click.Path(exists=True),
     default=None,
-    help="SFT samples (the JSONL `openforge sft` trains on) for the SFT-loss term of --ptx-coef.",
+    help="SFT data (what `openforge sft --data` reads: JSONL or ATIF) for the SFT-loss term of --ptx-coef.",
 )
 @click.option(
     "--ptx-coef",

@@ -2,7 +2,8 @@
 
 Data: JSONL rows that are either samples (`openforge rollout`'s samples.jsonl: `input_ids` and
 `loss_mask`, and `image_digests` for a vision-language model's samples) or chat conversations
-(`messages`, optional `tools`: `openforge export-sft`'s rows), which are tokenised with the
+(`messages`, optional `tools`: `openforge export-sft`'s rows) or ATIF trajectories (Harbor's
+trajectory.json, from any agent, read as chat rows by openforgerl.atif), which are tokenised with the
 student's own chat template, as the gateway would for that student; or trajectories made on the spot
 by a teacher (`oracle_samples`: the tools-tiny oracle played through the ReAct harness and recorded
 by the gateway).
@@ -17,13 +18,14 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from openforgerl.atif import atif_rows, is_atif
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
 from openforgerl.rl.config import SFTConfig as SFTConfig
@@ -183,21 +185,29 @@ class SFTData(list[Sample]):
         return {d: self.images[d] for d in digests if d in self.images}
 
 
+def _data_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, row) for each row of SFT data: JSONL lines, or ATIF trajectories as chat rows."""
+    if is_atif(path):
+        yield from atif_rows(path)
+        return
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            yield f"{path}:{n}", json.loads(line)
+
+
 def load_sft_data(path: str | Path, tokenizer: StudentTokenizer | str | Path) -> SFTData:
-    """Samples from a JSONL file of sample rows or chat rows (the two may be mixed), tokenised for
-    the student: its tokenizer, its VisionProcessor (needed for rows with images), or its model dir.
+    """Samples from a JSONL file of sample rows or chat rows (the two may be mixed), or from ATIF
+    trajectories (a trajectory.json, or a folder of them: openforgerl.atif), tokenised for the
+    student: its tokenizer, its VisionProcessor (needed for rows with images), or its model dir.
     Chat rows' images are decoded once and kept in the result (`SFTData.image_source`)."""
     if isinstance(tokenizer, str | Path):
         tokenizer = student_tokenizer(tokenizer)
     renderer = _renderer(tokenizer)
     out = SFTData()
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for where, row in _data_rows(Path(path)):
         if "input_ids" in row:
             if len(row["loss_mask"]) != len(row["input_ids"]):
-                raise ValueError(f"{path}:{n}: loss_mask and input_ids differ in length")
+                raise ValueError(f"{where}: loss_mask and input_ids differ in length")
             out.append(
                 _sample(
                     list(row["input_ids"]),
@@ -210,12 +220,12 @@ def load_sft_data(path: str | Path, tokenizer: StudentTokenizer | str | Path) ->
             try:  # ImageError is a ValueError
                 sample, images = _chat(row["messages"], row.get("tools"), renderer)
             except ValueError as exc:
-                raise ValueError(f"{path}:{n}: {exc}") from exc
+                raise ValueError(f"{where}: {exc}") from exc
             sample.rollout_id = str(row.get("rollout_id", ""))
             out.images.update((im.digest, im) for im in images)
             out.append(sample)
         else:
-            raise ValueError(f"{path}:{n}: a row needs input_ids + loss_mask, or messages")
+            raise ValueError(f"{where}: a row needs input_ids + loss_mask, or messages")
     out[:] = [s for s in out if s.num_loss_tokens]
     return out
 
