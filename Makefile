@@ -156,12 +156,21 @@ ui-vendor:
 	  cp $$tmp/package/dist/uPlot.esm.js $$tmp/package/dist/uPlot.min.css $$tmp/package/LICENSE $(UI_VENDOR)/ && \
 	  rm -rf $$tmp
 
-## The Docker backend against a real engine (tests/test_docker.py, skipped by `make test` when none is
-## reachable): Debian's dockerd started here with no bridge and no iptables, an image from debootstrap
-## (tests/docker_engine.sh; as root). About 3 minutes the first time (debootstrap), 30 s after.
+## The base image of the container backends, made offline from Debian's packages (debootstrap's
+## minbase with python3, `docker import`ed) into the engine the docker CLI reaches: the FROM of
+## examples/harbor/images and the default --image (scripts/docker_base.sh; as root).
 DOCKER_STATE ?= $(HOME)/.cache/openforgerl/docker
-DOCKER_TEST_IMAGE := openforgerl/debian-test:bookworm
+DOCKER_BASE_IMAGE := openforgerl/debian:bookworm
+
+.PHONY: docker-base
+docker-base:
+	sh scripts/docker_base.sh $(DOCKER_BASE_IMAGE) $(DOCKER_STATE)
+
+## The Docker backend against a real engine (tests/test_docker.py, skipped by `make test` when none is
+## reachable): Debian's dockerd started here with no bridge and no iptables, the base image above
+## (tests/docker_engine.sh; as root): image-bound Harbor tasks through tasks check, eval and one GRPO
+## step with the tiny model. About 3 minutes the first time (debootstrap), 2 after.
 
 .PHONY: test-docker
 test-docker: $(STAMP)
-	sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_TEST_IMAGE) $(BIN)/pytest -q tests/test_docker.py
+	sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) $(BIN)/pytest -q tests/test_docker.py

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Runs tests/test_docker.py against a Docker engine of its own: Debian's dockerd, started here without
 # networking (no bridge, no iptables: no registry is reachable, and containers get no network but what
-# the backend gives them), and an image made by debootstrap (minbase + python3) and `docker import`.
+# the backend gives them), and the base image made by scripts/docker_base.sh (debootstrap's minbase with
+# python3, `docker import`ed).
 # Usage: tests/docker_engine.sh STATE_DIR IMAGE PYTEST [PYTEST ARGS...]   (as root)
 set -eu
 dir=$1 image=$2
@@ -24,11 +25,5 @@ if ! docker -H "$sock" version >/dev/null 2>&1; then
     sleep 0.5
   done
 fi
-if ! docker -H "$sock" image inspect "$image" >/dev/null 2>&1; then
-  [ -x "$dir/rootfs/usr/bin/python3" ] || {
-    rm -rf "$dir/rootfs"
-    debootstrap --variant=minbase --include=python3 bookworm "$dir/rootfs" >"$dir/debootstrap.log"
-  }
-  tar -C "$dir/rootfs" -c . | docker -H "$sock" import - "$image" >/dev/null
-fi
+DOCKER_HOST=$sock sh "$(dirname "$0")/../scripts/docker_base.sh" "$image" "$dir" >/dev/null
 DOCKER_HOST=$sock OPENFORGE_DOCKER_IMAGE=$image "$@"

@@ -27,7 +27,7 @@ from openforgerl.sandbox import Limits, SandboxSpec
 from openforgerl.sandbox.docker import DockerBackend, DockerConfig, collect_garbage
 from openforgerl.tasks import CommandVerifier, PythonVerifier, load_tasks
 
-IMAGE = os.environ.get("OPENFORGE_DOCKER_IMAGE", "openforgerl/debian-test:bookworm")
+IMAGE = os.environ.get("OPENFORGE_DOCKER_IMAGE", "openforgerl/debian:bookworm")
 
 
 @pytest.fixture(scope="module")

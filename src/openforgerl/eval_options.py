@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from openforgerl.sandbox.choice import BackendChoice
+
 if TYPE_CHECKING:
     from openforgerl.gateway.config import UpstreamSpec
     from openforgerl.rollouts.runner import OnFailure, RunNetwork
@@ -39,3 +41,4 @@ class EvalOptions:
     # External models the embedded gateway serves to rollouts created with "upstream": NAME (the LLM
     # judge of web tasks asks "judge"); a running gateway (`gateway`) has its own.
     upstreams: list[UpstreamSpec] = dataclasses.field(default_factory=list)
+    backend: BackendChoice = dataclasses.field(default_factory=BackendChoice)  # where sandboxes run

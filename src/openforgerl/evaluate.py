@@ -32,15 +32,17 @@ from openforgerl.tasks import Task, load_tasks
 
 
 @contextlib.contextmanager
-def _service(opts: EvalOptions, engine: Engine | None) -> Iterator[RolloutService]:
-    """The run's rollouts: on a running gateway (`opts.gateway`), or on one embedded for the run."""
+def _service(opts: EvalOptions, engine: Engine | None, run_id: str) -> Iterator[RolloutService]:
+    """The run's rollouts: on a running gateway (`opts.gateway`), or on one embedded for the run;
+    in sandboxes of `opts.backend`."""
+    backend = opts.backend.make(run_id)
     if opts.gateway:
         if opts.upstreams:
             raise ValueError(
                 "--upstream configures the embedded gateway; a running gateway (--gateway) serves its "
                 "own upstreams (openforge gateway --upstream ...)"
             )
-        yield RolloutService(opts.gateway, opts.admin_token)
+        yield RolloutService(opts.gateway, opts.admin_token, backend)
         return
     if not opts.model:
         raise ValueError("give --model DIR (served by an embedded gateway) or --gateway URL")
@@ -53,7 +55,7 @@ def _service(opts: EvalOptions, engine: Engine | None) -> Iterator[RolloutServic
         upstreams=list(opts.upstreams),
         engine_threads=opts.engine_threads or max(1, (os.cpu_count() or 2) // 2),
     )
-    with embedded(cfg, engine) as service:
+    with embedded(cfg, engine, backend) as service:
         yield service
 
 
@@ -77,9 +79,9 @@ def run_rollouts(
         seed=opts.seed,
         network=opts.network,
     )
-    job.check(tasks)  # before the gateway loads a model
+    job.check(tasks, opts.backend.name)  # before the gateway loads a model
     opts.out.mkdir(parents=True, exist_ok=True)
-    with _service(opts, engine) as service:
+    with _service(opts, engine, job.run_id) as service:
         return service.run(tasks, opts.n or opts.k, job, progress=opts.progress)
 
 
@@ -125,6 +127,7 @@ def _run_eval(opts: EvalOptions, engine: Engine | None) -> dict[str, Any]:
         # Beside every pass@k: what it leaves out (infrastructure, after its retries) and the
         # agent's failures it counts (the reward's contract, docs/architecture.md).
         **failure_counts(results),
+        "infra_errors": infra_errors(results),
         "outcomes": dict(collections.Counter(r.outcome or r.status.value for r in results)),
         "status": dict(collections.Counter(r.status.value for r in results)),
         "tasks_without_k_scored_runs": sorted(set(r.task_id for r in results) - set(complete)),
@@ -158,6 +161,16 @@ def failure_counts(results: list[RolloutResult]) -> dict[str, int]:
         "infra_failed": sum(r.status == Status.INFRA_FAILED for r in results),
         "timed_out": sum(r.outcome == "timeout" for r in results),
         "verifier_errors": sum(r.outcome == "verifier_error" for r in results),
+    }
+
+
+def infra_errors(results: list[RolloutResult]) -> dict[str, str]:
+    """Why the infrastructure failed each task it failed (its last error): e.g. an image that could be
+    neither found nor built, named with its task."""
+    return {
+        r.task_id: str((r.details.get("infra_errors") or ["?"])[-1])[:800]
+        for r in results
+        if r.status == Status.INFRA_FAILED
     }
 
 
@@ -331,7 +344,14 @@ def _markdown(report: dict[str, Any], summary_md: str) -> str:
             for tag, v in report["by_tag"].items()
         ]
     # The infrastructure's count right above the figures it is left out of.
-    return "\n".join(lines) + f"\n\n{failures_line(report)}.\n\n" + summary_md
+    failed = "".join(f"- infra {task}: {why}\n" for task, why in report.get("infra_errors", {}).items())
+    return (
+        "\n".join(lines)
+        + f"\n\n{failures_line(report)}.\n"
+        + (f"\n{failed}" if failed else "")
+        + "\n"
+        + summary_md
+    )
 
 
 def _rate(value: float | None) -> str:

@@ -1,5 +1,6 @@
 """Options several commands share: the upstream models, harnesses and tasks (eval, rollout, train,
-sft), the trainers' tuning (train, sft), and where a container backend is (doctor, gc).
+sft), the sandbox backend rollouts run in (eval, rollout, train, sft, tasks check), the trainers'
+tuning (train, sft), and where a container backend is (doctor, gc).
 
 Defaults are read from the config dataclasses (light modules); what the options become is built
 lazily inside the helpers, so importing this module pulls in nothing heavy.
@@ -18,6 +19,7 @@ from openforgerl.eval_options import EvalOptions
 from openforgerl.gateway.config import UpstreamSpec
 from openforgerl.harnesses.adapters import HARNESSES
 from openforgerl.rl.config import Tuning
+from openforgerl.sandbox.choice import BACKENDS, DEFAULT_IMAGE, BackendChoice
 
 CLI_HARNESSES = list(HARNESSES)  # the agent CLI adapters, for the help texts
 
@@ -203,7 +205,7 @@ def rollout_options(fn: Any) -> Any:
         ],
         fn,
     )
-    return upstream_options(fn)
+    return sandbox_options()(upstream_options(fn))
 
 
 def eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -> EvalOptions:
@@ -241,6 +243,7 @@ def eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) ->
         network=kw["network"],
         engine_threads=kw["engine_threads"],
         upstreams=upstreams,
+        backend=backend_choice(kw),
     )
 
 
@@ -261,6 +264,75 @@ def refusing_bad_network(run: Any, opts: Any) -> Any:
         raise click.ClickException(str(exc)) from exc
     except HarnessNotInstalled as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def sandbox_options(*more: str, help_more: str = "") -> Callable[[Any], Any]:
+    """--backend (local, docker, kubernetes, and `more`: train's verl) with the backend's settings:
+    --image, --docker-host, --backend-config; `backend_choice` turns them into a BackendChoice."""
+
+    def decorate(fn: Any) -> Any:
+        return apply(
+            [
+                click.option(
+                    "--backend",
+                    type=click.Choice([*BACKENDS, *more]),
+                    default="local",
+                    show_default=True,
+                    help="Where rollouts run. local: bubblewrap sandboxes with the host's tools (tasks "
+                    "bound to an image are refused); docker: a container per rollout, each task in its "
+                    "own image (built once from its Dockerfile, or its docker_image), the others in "
+                    "--image; kubernetes: a Pod per rollout (--backend-config)." + help_more,
+                ),
+                click.option(
+                    "--image",
+                    default=DEFAULT_IMAGE,
+                    show_default=True,
+                    help="docker, kubernetes: the image of tasks that name none (`make docker-base` "
+                    "builds the default offline).",
+                ),
+                click.option(
+                    "--docker-host",
+                    default=None,
+                    metavar="URL",
+                    help="docker: the engine, e.g. unix:///run/docker.sock (default: $DOCKER_HOST, "
+                    "else the local socket).",
+                ),
+                click.option(
+                    "--backend-config",
+                    type=click.Path(dir_okay=False, exists=True),
+                    default=None,
+                    help="The backend's settings (YAML): DockerConfig's (runtime, tmpfs_size, ...) or "
+                    "the Kubernetes backend's (as deploy/kubernetes/backend.yaml).",
+                ),
+            ],
+            fn,
+        )
+
+    return decorate
+
+
+def backend_choice(kw: dict[str, Any], backend: str | None = None) -> BackendChoice:
+    """The BackendChoice of the sandbox options (popped from `kw`; `backend` when the caller popped
+    --backend already); a setting the backend does not know is a usage error."""
+    import yaml
+
+    name: Any = kw.pop("backend") if backend is None else backend  # one of BACKENDS: click checked it
+    settings: dict[str, Any] = {}
+    config = kw.pop("backend_config")
+    if config:
+        settings = yaml.safe_load(Path(config).read_text()) or {}
+        if not isinstance(settings, dict):
+            raise click.BadParameter("a YAML mapping of settings", param_hint="--backend-config")
+    host = kw.pop("docker_host")
+    if host:
+        settings["base_url"] = host
+    choice = BackendChoice(name, kw.pop("image"), settings)
+    if name != "local":
+        try:
+            choice.make("check")  # only builds the config: nothing is reached yet
+        except (ValueError, TypeError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--backend-config / --docker-host") from exc
+    return choice
 
 
 def tuning_options(fn: Any) -> Any:

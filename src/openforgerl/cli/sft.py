@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.options import CLI_HARNESSES, one_harness, tuning, tuning_options
+from openforgerl.cli.options import (
+    CLI_HARNESSES,
+    backend_choice,
+    one_harness,
+    sandbox_options,
+    tuning,
+    tuning_options,
+)
 from openforgerl.rl.config import SFTConfig
 
 
@@ -81,6 +88,7 @@ from openforgerl.rl.config import SFTConfig
 @click.option("--seed", type=int, default=SFTConfig.seed, show_default=True)
 @click.option("--device", default=SFTConfig.device, help="cpu or cuda (default: cuda when available).")
 @tuning_options
+@sandbox_options(help_more=" With --teacher.")
 def sft_cmd(
     data: str | None,
     teacher: str | None,
@@ -95,6 +103,7 @@ def sft_cmd(
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
     kw["tuning"] = tuning(kw)
+    backend = backend_choice(kw)
     from openforgerl.rl.sft import SFTTrainer, load_sft_data, oracle_samples, write_samples
     from openforgerl.rollouts.trajectory import Sample
 
@@ -119,7 +128,13 @@ def sft_cmd(
         trainer = SFTTrainer(model_dir, SFTConfig(**kw))
         try:
             samples = oracle_samples(
-                model_dir, out_dir / "teacher", tasks=tasks, limit=limit, show_work=show_work, harness=harness
+                model_dir,
+                out_dir / "teacher",
+                tasks=tasks,
+                limit=limit,
+                show_work=show_work,
+                harness=harness,
+                backend=backend,
             )
         except HarnessNotInstalled as exc:
             raise click.ClickException(str(exc)) from exc

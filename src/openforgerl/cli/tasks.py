@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+
+from openforgerl.cli.options import backend_choice, sandbox_options
 
 
 @click.group()
@@ -14,20 +18,7 @@ def tasks() -> None:
 @click.argument("source")
 @click.option("--split", default=None, help="Only tasks of this split (train, heldout, test).")
 @click.option("--limit", type=int, default=None, help="Only the first N tasks.")
-@click.option(
-    "--backend",
-    type=click.Choice(["local", "docker"]),
-    default="local",
-    show_default=True,
-    help="local: bubblewrap sandboxes with the host's tools; docker: each task in its own image (built "
-    "from its Dockerfile where the engine lacks it).",
-)
-@click.option(
-    "--image",
-    default="debian:bookworm-slim",
-    show_default=True,
-    help="Docker: the image of tasks that name none.",
-)
+@sandbox_options()
 @click.option(
     "--network",
     type=click.Choice(["none", "host"]),
@@ -41,10 +32,9 @@ def check_cmd(
     source: str,
     split: str | None,
     limit: int | None,
-    backend: str,
-    image: str,
     network: str,
     concurrency: int,
+    **kw: Any,
 ) -> None:
     """Check every task of SOURCE (a task file or folder, a suite, harbor:DIR): its verifier must fail
     on the untouched workspace and pass twice after the reference solution, without changing the
@@ -52,8 +42,9 @@ def check_cmd(
     import asyncio
 
     from openforgerl.rollouts.check import TaskCheck, TaskChecker, summary
-    from openforgerl.sandbox import SandboxBackend
     from openforgerl.tasks import TaskError, load_tasks
+
+    backend = backend_choice(kw)
 
     try:
         chosen = load_tasks(source, split=split)[:limit]  # type: ignore[arg-type]
@@ -61,16 +52,7 @@ def check_cmd(
         raise click.ClickException(str(exc)) from exc
     if not chosen:
         raise click.ClickException(f"no tasks in {source}" + (f" (split {split})" if split else ""))
-    sandboxes: SandboxBackend
-    if backend == "docker":
-        from openforgerl.sandbox.docker import DockerBackend, DockerConfig
-
-        sandboxes = DockerBackend(DockerConfig(run_id="tasks-check", image=image))
-    else:
-        from openforgerl.sandbox.local import LocalBackend
-
-        sandboxes = LocalBackend()
-    checker = TaskChecker(sandboxes, network="host" if network == "host" else "none")
+    checker = TaskChecker(backend.make("tasks-check"), network="host" if network == "host" else "none")
 
     def report(result: TaskCheck) -> None:
         click.echo(result.line())

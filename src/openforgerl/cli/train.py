@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.options import CLI_HARNESSES, one_harness, tuning, tuning_options
+from openforgerl.cli.options import (
+    CLI_HARNESSES,
+    backend_choice,
+    one_harness,
+    sandbox_options,
+    tuning,
+    tuning_options,
+)
 from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions
 from openforgerl.rl.headroom import CHECK_TASKS
 
@@ -217,22 +224,22 @@ from openforgerl.rl.headroom import CHECK_TASKS
     "steps ahead rollouts run.  "
     f"[default: {TrainOptions.max_lag}; --resume may change it]",
 )
-@click.option(
-    "--backend",
-    type=click.Choice(["embedded", "verl"]),
-    default="embedded",
-    show_default=True,
-    help="verl: veRL's trainer (Ray, GPUs) with CONFIG and Hydra overrides; the options above do not apply.",
+@sandbox_options(
+    "verl",
+    help_more=" verl: veRL's trainer (Ray, GPUs) with CONFIG and Hydra overrides; the options above "
+    "do not apply.",
 )
 @click.argument("verl_args", nargs=-1, type=click.UNPROCESSED, metavar="[CONFIG [OVERRIDES]...]")
 def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int | None, **kw: Any) -> None:
     """RL: rollouts through an embedded gateway, a trainer step, new weights to the engine, repeat.
 
-    With --backend verl: `openforge train --backend verl qwen3_grpo data.train_files=... ...` runs
+    With --backend docker, every rollout in a container (a task in its own image). With --backend
+    verl: `openforge train --backend verl qwen3_grpo data.train_files=... ...` runs
     veRL's main_ppo with a shipped config (or a YAML file) and Hydra overrides.
     """
     verl_args = kw.pop("verl_args")
-    if kw.pop("backend") == "verl":
+    backend = kw.pop("backend")
+    if backend == "verl":
         from openforgerl.integrations.verl.launch import train_on_verl
 
         if model_dir or out or resume:
@@ -255,6 +262,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
     check = kw.pop("check")
     if check and resume:
         raise click.UsageError("--check measures a starting model: it does not go with --resume")
+    sandboxes = backend_choice(kw, backend)
     if resume:
         opts = load_options(Path(out))
         if steps is not None:
@@ -293,6 +301,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
             max_gen_batches=kw["max_gen_batches"],
             headroom_tasks=kw["headroom_tasks"],
             headroom_k=kw["headroom_k"],
+            backend=sandboxes,
             trainer=TrainerConfig(
                 lr=kw["lr"],
                 warmup_steps=kw["warmup_steps"],

@@ -32,6 +32,10 @@ from openforgerl.sandbox import Sandbox
 from openforgerl.tasks import Task
 
 BUILTIN = ("react", "gui")
+# Containers (a task's own image, which does not hold this package): where python_binds binds the
+# modules the built-in harnesses run, read-only, for the image's own python3.
+PYTHON_INSIDE = "/opt/openforgerl/python"
+CONTAINERS = ("docker", "kubernetes")
 # In the sandbox's temp dir (`Sandbox.tmpdir`), outside the work dir: the agent never sees it.
 TASK_FILE = "openforge-task.txt"  # the built-in harnesses' instruction
 
@@ -63,6 +67,15 @@ def _own_package(python: str) -> dict[str, str]:
     return {"PYTHONPATH": str(Path(openforgerl.__file__).parent.parent)}
 
 
+def _python(python: str, sandbox: Sandbox) -> tuple[str, dict[str, str]]:
+    """The interpreter that runs a built-in harness in `sandbox`, and its env: `python` in a local
+    sandbox (bound inside), the image's python3 in a container, on the modules bound at PYTHON_INSIDE
+    (a Pod's image must hold them there, or openforgerl installed)."""
+    if sandbox.info.backend in CONTAINERS:
+        return "python3", {"PYTHONPATH": PYTHON_INSIDE}
+    return python, _own_package(python)
+
+
 def react_harness(
     max_turns: int = 12, max_tokens: int | None = None, python: str = sys.executable
 ) -> HarnessFactory:
@@ -73,11 +86,12 @@ def react_harness(
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
         turns = int(task.harness_options.get("max_turns", max_turns))
         task_file = posixpath.join(sandbox.tmpdir, TASK_FILE)
-        argv = [python, "-m", "openforgerl.harnesses.react", "--base-url", base_url, "--api-key", api_key]
+        py, env = _python(python, sandbox)
+        argv = [py, "-m", "openforgerl.harnesses.react", "--base-url", base_url, "--api-key", api_key]
         argv += ["--task", f"@{task_file}", "--max-turns", str(turns)]
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        return HarnessLaunch(argv, _own_package(python), {task_file: task.instruction})
+        return HarnessLaunch(argv, env, {task_file: task.instruction})
 
     return launch
 
@@ -102,7 +116,8 @@ def gui_harness(
         opts = task.harness_options
         steps = max_steps or int(opts.get("max_steps", GUI_MAX_STEPS))
         task_file = posixpath.join(sandbox.tmpdir, TASK_FILE)
-        argv = [python, "-m", "openforgerl.harnesses.gui", "--base-url", base_url, "--api-key", api_key]
+        py, env = _python(python, sandbox)
+        argv = [py, "-m", "openforgerl.harnesses.gui", "--base-url", base_url, "--api-key", api_key]
         argv += ["--task", f"@{task_file}", "--max-steps", str(steps)]
         if opts.get("site"):
             argv += ["--site", str(opts["site"])]
@@ -115,7 +130,6 @@ def gui_harness(
             argv.append("--a11y")
         if max_tokens:
             argv += ["--max-tokens", str(max_tokens)]
-        env = _own_package(python)
         return HarnessLaunch(argv, env, {task_file: task.instruction}, infra_exit_code=GUI_EXIT_INFRA)
 
     return launch
@@ -177,14 +191,20 @@ SANDBOX_MODULES = (
 )
 
 
-def python_binds() -> list[str]:
+def python_binds(backend: str = "local") -> list[str | tuple[str, str]]:
     """What the sandbox must see read-only for this interpreter and package to run inside it: the
-    interpreter, the venv, the package's folder (hidden by python_hidden()) and SANDBOX_MODULES."""
+    interpreter, the venv, the package's folder (hidden by python_hidden()) and SANDBOX_MODULES. A
+    container runs its image's python3: it gets SANDBOX_MODULES alone, at PYTHON_INSIDE."""
     import openforgerl
 
     package = Path(openforgerl.__file__).parent
+    if backend in CONTAINERS:
+        inside = f"{PYTHON_INSIDE}/openforgerl"
+        return [(str(package / m), f"{inside}/{m}") for m in SANDBOX_MODULES if (package / m).is_file()]
     paths = {sys.prefix, sys.base_prefix, str(package.parent)}
-    binds = sorted(p for p in paths if not p.startswith(("/usr", "/bin", "/lib")))
+    binds: list[str | tuple[str, str]] = sorted(
+        p for p in paths if not p.startswith(("/usr", "/bin", "/lib"))
+    )
     return binds + [str(package / m) for m in SANDBOX_MODULES if (package / m).is_file()]
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from openforgerl.sandbox.choice import BackendChoice
+
 if TYPE_CHECKING:
     from openforgerl.rollouts.runner import OnFailure, OnTimeout
 
@@ -162,6 +164,7 @@ class TrainOptions:
     # tasks measure what the starting policy leaves RL to learn (headroom.json). 0: off.
     headroom_tasks: int = 0
     headroom_k: int = 8
+    backend: BackendChoice = field(default_factory=BackendChoice)  # where the rollouts' sandboxes run
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
@@ -191,4 +194,5 @@ class TrainOptions:
         d = dict(d)
         d["out"] = Path(d["out"])
         d["trainer"] = TrainerConfig.from_dict(d["trainer"])
+        d["backend"] = BackendChoice.from_json(d.get("backend"))  # a run from before --backend: local
         return cls(**d)

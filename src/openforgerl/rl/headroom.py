@@ -272,7 +272,7 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
     harness = harness_choice(opts)
     tasks = training_tasks(opts)
     harness.check(tasks)
-    check_images(tasks, "local")
+    check_images(tasks, opts.backend.name)
     model_dir = Path(opts.model)
     push_first = False
     if engine is None:
@@ -293,7 +293,7 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
 
             asyncio.run_coroutine_threadsafe(engine.load_weights(str(model_dir.resolve())), gw.loop).result()
         n = opts.headroom_tasks or CHECK_TASKS
-        service = RolloutService.of(gw)
+        service = RolloutService.of(gw, opts.backend.make(opts.out.name))
         h = measure_headroom(service, opts, tasks, n_tasks=n, k=opts.headroom_k, out_dir=opts.out)
     write(h, opts.out)
     return h

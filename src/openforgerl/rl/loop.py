@@ -471,7 +471,7 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     if opts.eval_every:
         eval_tasks = load_tasks(opts.tasks, split=opts.eval_split)[: opts.eval_limit]  # type: ignore[arg-type]
     harness.check([*train_tasks, *eval_tasks])  # a missing CLI too
-    check_images([*train_tasks, *eval_tasks], "local")  # tasks bound to their image: not here
+    check_images([*train_tasks, *eval_tasks], opts.backend.name)  # tasks bound to an image: not local
 
     demonstrations = ptx_demonstrations(opts)
     checkpoints = list(iter_checkpoints(run_dir / "checkpoints"))
@@ -505,7 +505,7 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     t_start = time.monotonic()
     try:
         with serve_in_thread(gw_cfg, engine) as gw:
-            service = RolloutService.of(gw)
+            service = RolloutService.of(gw, opts.backend.make(run_dir.name))
             # A vision-language policy's samples name their images by digest; the gateway's store
             # keeps the bytes the engine saw, so the trainer recomputes logprobs on the same pixels.
             trainer.policy.image_source = gw.gateway.core.store.images_sync

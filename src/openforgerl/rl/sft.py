@@ -31,6 +31,7 @@ from openforgerl.rendering import ChatRenderer, VisionRenderer
 from openforgerl.rl.config import SFTConfig as SFTConfig
 from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, passed
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
+from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
 
 
@@ -243,6 +244,7 @@ def oracle_samples(
     show_work: bool = True,
     harness: str = "react",
     faulted: int | None = None,
+    backend: BackendChoice | None = None,
 ) -> list[Sample]:
     """Teacher trajectories from the ORACLE teacher (tools-tiny, claw-basic): each task run once
     through `harness` (the built-in ReAct loop or an agent CLI) with the oracle engine behind the
@@ -251,7 +253,7 @@ def oracle_samples(
     the teacher notes each value it read and writes out the computation before its calls.
     `faulted`: of the chosen tasks that carry transient faults (tools-tiny-faults), only the first
     `faulted` keep them, the others run clean (None: all keep them); the teacher reads a failed file
-    again."""
+    again. `backend`: where the sandboxes run (default local)."""
     from openforgerl.gateway.server import GatewayConfig
     from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
     from openforgerl.rl.oracle_teacher import ORACLE_SUITES, OracleTeacherEngine, reference_solutions
@@ -272,14 +274,15 @@ def oracle_samples(
         state_path=out / "runner.db",
         concurrency=concurrency,
     )
-    job.check(chosen)
+    backend = backend or BackendChoice()
+    job.check(chosen, backend.name)
     out.mkdir(parents=True, exist_ok=True)
     solutions = reference_solutions() if tasks == "claw-basic" else {}
     teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work, solutions=solutions)
     gateway = GatewayConfig(
         model=str(model_dir), port=0, store=str(out / "gateway.db"), max_tokens=max_tokens
     )
-    with embedded(gateway, teacher) as service:
+    with embedded(gateway, teacher, backend.make(out.name)) as service:
         results = service.run(chosen, 1, job, progress=progress)
     return [s for r in results if r.status == Status.DONE and passed(r.reward or 0.0) for s in r.samples]
 

@@ -40,7 +40,15 @@ from openforgerl.rollouts import steps
 from openforgerl.rollouts.admin import AdminClient
 from openforgerl.rollouts.results import RolloutResult, RunState, Status
 from openforgerl.sampling import derive_seed
-from openforgerl.sandbox import ExecResult, Limits, Sandbox, SandboxBackend, SandboxSpec, SandboxStartError
+from openforgerl.sandbox import (
+    ExecResult,
+    ImageUnavailable,
+    Limits,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+    SandboxStartError,
+)
 from openforgerl.tasks import Task
 from openforgerl.tasks.verify import (
     OUTPUT_TAIL,
@@ -78,7 +86,7 @@ class RunnerConfig:
     # numbers (their per-task difference is less noisy). None: unseeded, as RL rollouts must be.
     seed: int | None = None
     limits: Limits = field(default_factory=lambda: Limits(memory_bytes=2 << 30, cpus=1.0, pids=512))
-    ro_binds: list[str] = field(default_factory=python_binds)
+    ro_binds: list[str | tuple[str, str]] = field(default_factory=python_binds)
     # Host paths under ro_binds that the agent must not see (local sandboxes): by default this
     # package's folder, of which only the files the harnesses run show (python_hidden).
     hidden: list[str] = field(default_factory=python_hidden)
@@ -141,8 +149,8 @@ def check_images(tasks: Sequence[Task], backend_name: str) -> None:
         more = f"\n  and {len(bound) - 10} more" if len(bound) > 10 else ""
         raise TaskNeedsImage(
             f"{len(bound)} task(s) need their own container image, which local sandboxes (the host's "
-            f"tools) cannot give them:\n{lines}{more}\nRun them with the Docker backend (openforge "
-            "tasks check --backend docker), or leave them out of this run."
+            f"tools) cannot give them:\n{lines}{more}\nRun them with the Docker backend (--backend "
+            "docker), or leave them out of this run."
         )
 
 
@@ -215,13 +223,15 @@ class Runner:
             r.attempts = attempt + 1
             try:
                 return await self._attempt(task, r)
-            except INFRA_ERRORS as exc:
+            except (*INFRA_ERRORS, ImageUnavailable) as exc:
                 errors.append(f"attempt {attempt + 1}: {exc}")
                 if r.gateway_rollout_id:
                     await self.admin.close_rollout(
                         r.gateway_rollout_id, None, {"infra_error": str(exc)}, "failed"
                     )
                 r.gateway_rollout_id = ""
+                if isinstance(exc, ImageUnavailable):
+                    break  # no retry makes the image: this task is marked, the others run on
                 await asyncio.sleep(min(2**attempt, 10) * 0.1)
         r.status, r.outcome, r.details = Status.INFRA_FAILED, "infra", {"infra_errors": errors}
         self.state.save(r)

@@ -141,7 +141,7 @@ class RolloutService:
             sampling=dict(job.sampling),
             seed=job.seed,
             network=job.network,
-            ro_binds=[*python_binds(), *job.harness.ro_binds(tasks)],
+            ro_binds=[*python_binds(self.backend.name), *job.harness.ro_binds(tasks)],
         )
         runner = Runner(cfg, self.backend, job.harness)
         try:

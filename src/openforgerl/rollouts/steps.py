@@ -52,7 +52,7 @@ def task_spec(
     limits: Limits,
     network: Network,
     gateway_url: str | None,
-    ro_binds: list[str] | None = None,
+    ro_binds: list[str | tuple[str, str]] | None = None,
     hidden: list[str] | None = None,
 ) -> SandboxSpec:
     """The sandbox a task asks for: its workspace, work dir and verifier dirs, resources and image.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from openforgerl.sandbox.base import (
     BackendCheck,
     ExecResult,
+    ImageUnavailable,
     Limits,
     Sandbox,
     SandboxBackend,
@@ -18,6 +19,7 @@ from openforgerl.sandbox.base import (
 __all__ = [
     "BackendCheck",
     "ExecResult",
+    "ImageUnavailable",
     "Limits",
     "Sandbox",
     "SandboxBackend",

@@ -166,6 +166,11 @@ class SandboxUnavailable(SandboxError):
     """The backend cannot provide what was asked on this machine (a missing tool); retrying won't help."""
 
 
+class ImageUnavailable(SandboxUnavailable):
+    """A task's image can be neither found nor built (its FROM image absent, its Dockerfile failing):
+    that task's rollouts fail as infrastructure, at once, naming task and image; the run goes on."""
+
+
 def link_out(top: Path, link: Path) -> str | None:
     """The target of `link`, a symlink under `top`, where it leads out of `top`; else None. Out by its
     text (absolute, or up past the top: so it is wherever the tree is copied) or by where it resolves on

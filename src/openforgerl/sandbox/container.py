@@ -314,8 +314,9 @@ class ContainerSandbox(base.Sandbox):
         code = await self._raw(PROBE, None, output, None)
         if code != 0 or output.stdout.total:
             missing = output.stdout_bytes().decode(errors="replace").split()
-            raise base.SandboxUnavailable(
-                f"image {self._image} lacks {', '.join(missing) or 'a POSIX shell'}: "
+            task = self.spec.labels.get("task", self.name)
+            raise base.ImageUnavailable(
+                f"task {task!r}: its image {self._image} lacks {', '.join(missing) or 'a POSIX shell'}: "
                 f"a container sandbox needs {', '.join(TOOLS)}"
             )
         await self._put_workspace()

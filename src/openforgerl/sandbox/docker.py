@@ -47,6 +47,7 @@ from openforgerl.sandbox import bridge, container
 from openforgerl.sandbox.base import (
     BackendCheck,
     Counters,
+    ImageUnavailable,
     Output,
     SandboxError,
     SandboxSpec,
@@ -90,7 +91,9 @@ class DockerBackend:
         self._client: docker.DockerClient | None = None
         # Each running command holds a thread until it ends.
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.max_containers * 2 + 4, "openforge-docker")
-        self._builds: dict[str, asyncio.Lock] = {}  # one build per image tag
+        self._images: dict[str, asyncio.Lock] = {}  # one build or pull per image
+        self._ready: set[str] = set()
+        self._failed: dict[str, str] = {}  # image -> why it cannot be had (ImageUnavailable)
 
     @property
     def client(self) -> docker.DockerClient:
@@ -112,24 +115,44 @@ class DockerBackend:
     def create(self, spec: SandboxSpec, name: str) -> DockerSandbox:
         return DockerSandbox(self, spec, name)
 
-    async def build(self, context: Path, tag: str) -> None:
-        """Builds `tag` from the Dockerfile in `context` unless the engine has it (once per tag, however
-        many sandboxes ask at once)."""
-        async with self._builds.setdefault(tag, asyncio.Lock()):
+    async def ensure_image(self, image: str, build: Path | None, task: str) -> None:
+        """Makes `image` present on the engine, once per image however many sandboxes ask at once:
+        built from the Dockerfile in `build` (its tag names the context's digest, so a changed
+        context is a new image), or pulled. Where it can be neither, ImageUnavailable names `task`
+        and the image, and every later ask fails at once with the same words."""
+        async with self._images.setdefault(image, asyncio.Lock()):
+            if image in self._ready:
+                return
+            if image in self._failed:
+                raise ImageUnavailable(self._failed[image])
             try:
-                await self.call(lambda: self.client.images.get(tag))
+                await self.call(lambda: self.client.images.get(image))
+                self._ready.add(image)
                 return
             except docker.errors.ImageNotFound:
                 pass
-            log.info("building image %s from %s", tag, context)
             try:
-                await self.call(lambda: self.client.images.build(path=str(context), tag=tag, rm=True))
+                if build is not None:
+                    log.info("building image %s from %s", image, build)
+                    await self.call(lambda: self.client.images.build(path=str(build), tag=image, rm=True))
+                else:
+                    log.info("pulling image %s", image)
+                    await self.call(lambda: self.client.images.pull(image))
             except docker.errors.BuildError as e:
                 tail = "".join(str(line.get("stream", line.get("error", ""))) for line in e.build_log)
-                why = tail[-800:]
-                raise SandboxUnavailable(f"building {tag} from {context}/Dockerfile failed: {why}") from e
-            except docker.errors.APIError as e:
-                raise SandboxUnavailable(f"building {tag} from {context}/Dockerfile failed: {e}") from e
+                self._failed[image] = (
+                    f"task {task!r}: building its image {image} from {build}/Dockerfile failed: "
+                    + tail[-800:].strip()
+                )
+            except docker.errors.DockerException as e:
+                how = f"building it from {build}/Dockerfile" if build else "pulling it"
+                self._failed[image] = (
+                    f"task {task!r}: its image {image} is not on the engine, and {how} failed "
+                    f"(a FROM image must be present, or pullable): {e}"
+                )
+            if image in self._failed:
+                raise ImageUnavailable(self._failed[image])
+            self._ready.add(image)
 
     def check(self) -> BackendCheck:
         available: dict[str, str] = {}
@@ -240,6 +263,11 @@ class DockerSandbox(container.ContainerSandbox):
             mounts.append(docker.types.Mount(target=workdir, source=None, type="volume"))
         command = list(container.IDLE)
         volumes: dict[str, dict[str, str]] = {}
+        # Host paths seen read-only (the built-in harnesses' modules, a harness install): this
+        # engine must share the runner's files (a local engine).
+        for bind in self.spec.ro_binds:
+            host, inside = (bind, bind) if isinstance(bind, str) else bind
+            volumes[host] = {"bind": inside, "mode": "ro"}
         if self._relayed:
             assert self._dir is not None
             volumes[str(self._dir)] = {"bind": INSIDE_RUN, "mode": "ro"}
@@ -283,8 +311,8 @@ class DockerSandbox(container.ContainerSandbox):
 
     async def _provision(self) -> None:
         client = self.backend.client
-        if self.spec.build is not None:
-            await self.backend.build(self.spec.build, str(self.spec.image))
+        image = self.spec.image or self.backend.cfg.image
+        await self.backend.ensure_image(image, self.spec.build, self.spec.labels.get("task", self.name))
         if self._relayed:
             assert self._gateway is not None and self._gateway.hostname
             self._dir = Path(tempfile.mkdtemp(prefix=f"openforgerl-{self.name}-"))
@@ -299,9 +327,8 @@ class DockerSandbox(container.ContainerSandbox):
         kwargs = self._run_kwargs()
         try:
             self._container = await self.backend.call(lambda: client.containers.run(**kwargs))
-        except docker.errors.ImageNotFound as e:
-            image = self.spec.image or self.backend.cfg.image
-            raise SandboxUnavailable(f"image {image} is not on the engine: {e}") from e
+        except docker.errors.ImageNotFound as e:  # removed since ensure_image saw it
+            raise SandboxStartError(f"image {image} is not on the engine: {e}") from e
         except docker.errors.APIError as e:
             if e.is_server_error() or e.status_code == 409:
                 raise SandboxStartError(f"sandbox {self.name}: the engine failed: {e}") from e
@@ -309,9 +336,9 @@ class DockerSandbox(container.ContainerSandbox):
         await self.backend.call(self._container.reload)
         if self._container.status != "running":
             logs = await self.backend.call(lambda: self._container.logs(tail=20))
-            raise SandboxUnavailable(
-                f"sandbox {self.name}: the container exited at once "
-                f"(python3 in the image is needed to reach the gateway): {logs.decode(errors='replace')}"
+            raise ImageUnavailable(
+                f"task {self.spec.labels.get('task', self.name)!r}: its container of {image} exited at "
+                f"once (python3 in the image is needed to reach the gateway): {logs.decode(errors='replace')}"
             )
         self._pid = int(self._container.attrs["State"]["Pid"])
 

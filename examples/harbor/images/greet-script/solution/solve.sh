@@ -1,0 +1,2 @@
+#!/bin/bash
+printf '#!/bin/sh\necho "Hello, $1"\n' > /app/greet.sh
