@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -211,3 +214,134 @@ def test_a_task_with_its_own_workdir_gets_its_images_files_there() -> None:
         "1000:1000",
         ["/home/sandbox", "/tmp", "/workspace"],
     )
+
+
+# -- #36: image-bound Harbor tasks through tasks check, eval and train on the Docker backend -----------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "harbor" / "images"
+TINY = ["--max-turns", "2", "--max-tokens", "12", "--concurrency", "2"]
+
+
+@pytest.fixture
+def base_image(engine: docker.DockerClient) -> str:
+    """The examples' FROM image (`make docker-base`); what docker_engine.sh imports."""
+    from openforgerl.sandbox.choice import DEFAULT_IMAGE
+
+    if IMAGE != DEFAULT_IMAGE:
+        pytest.skip(f"the examples are FROM {DEFAULT_IMAGE}; this engine's base image is {IMAGE}")
+    return IMAGE
+
+
+def test_the_example_image_tasks_check_in_their_images(base_image: str) -> None:
+    result = CliRunner().invoke(cli, ["tasks", "check", f"harbor:{EXAMPLES}", "--backend", "docker"])
+    assert result.exit_code == 0, result.output
+    assert "3 task(s): 3 passed, 0 failed" in result.output, result.output
+
+
+def test_eval_runs_the_tiny_model_inside_the_tasks_own_images(
+    base_image: str, engine: docker.DockerClient, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The built-in ReAct harness runs on each image's python3 (the project is not in the image: its
+    harness modules are bound read-only), reaching the gateway through the relay, with no network."""
+    out = tmp_path / "eval"
+    args = ["eval", "--tasks", f"harbor:{EXAMPLES}", "--backend", "docker", "--model", str(tiny_model_dir)]
+    result = CliRunner().invoke(cli, [*args, *TINY, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert (report["rollouts"], report["status"]) == (3, {"done": 3}), report
+    assert report["outcomes"] == {"ok": 3}, report  # the harness ran to its end in every image
+    assert report["behaviour"]["turns_median"] >= 1 and report["tokens"]["completion"] > 0
+    assert not ours(engine, out.name)
+
+
+def test_one_grpo_step_on_image_bound_tasks(base_image: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--tasks", f"harbor:{EXAMPLES}", "--backend", "docker", "--model", str(tiny_model_dir)]
+    args += ["--out", str(run), "--steps", "1", "--batch-tasks", "1", "--group", "2", "--keep-zero-variance"]
+    result = CliRunner().invoke(cli, [*args, *TINY])
+    assert result.exit_code == 0, result.output
+    assert "1 steps, policy version 1" in result.output, result.output
+    [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["outcomes"] == {"ok": 2} and row["rollout_tokens"] > 0, row  # both in their image
+
+
+def test_a_bad_image_fails_its_own_task_and_no_other(
+    base_image: str, engine: docker.DockerClient, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A Dockerfile that fails to build and a FROM image that is neither present nor pullable (no
+    registry here): each task is marked an infrastructure failure naming it and its image, at once
+    (no retry makes an image), and the good task runs."""
+    from tests.test_harbor import REWARD_TXT, SOLVE_42, harbor_task
+
+    root = tmp_path / "set"
+    shutil.copytree(EXAMPLES / "word-count", root / "word-count")
+    harbor_task(
+        root, "broken-build", test_sh=REWARD_TXT, solve_sh=SOLVE_42, dockerfile=f"FROM {IMAGE}\nRUN exit 3\n"
+    )
+    harbor_task(
+        root, "missing-from", test_sh=REWARD_TXT, solve_sh=SOLVE_42, dockerfile="FROM openforgerl/absent:1\n"
+    )
+    out = tmp_path / "eval"
+    args = ["eval", "--tasks", f"harbor:{root}", "--backend", "docker", "--model", str(tiny_model_dir)]
+    result = CliRunner().invoke(cli, [*args, *TINY, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == {"done": 1, "infra_failed": 2}, report
+    broken, missing = report["infra_errors"]["broken-build"], report["infra_errors"]["missing-from"]
+    assert "attempt 1: task 'broken-build': building its image openforge-task-broken-build:" in broken
+    assert "failed" in broken and "attempt 2" not in broken
+    assert "task 'missing-from': building its image openforge-task-missing-from:" in missing
+    assert "(its FROM image openforgerl/absent:1 is neither on the engine nor pullable)" in missing
+    assert "- infra broken-build: attempt 1: task 'broken-build'" in (out / "report.md").read_text()
+    checked = CliRunner().invoke(cli, ["tasks", "check", str(root), "--backend", "docker"])
+    assert checked.exit_code == 1, checked.output
+    assert "ok   word-count" in checked.output, checked.output
+    assert "FAIL broken-build" in checked.output and "FAIL missing-from" in checked.output
+
+
+def _outward_address() -> str:
+    """This host's address on its outward interface (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            pytest.skip("this host has no outward interface")
+        address = str(s.getsockname()[0])
+    if address.startswith("127."):
+        pytest.skip("this host has no outward address")
+    return address
+
+
+def test_allow_internet_false_holds_in_the_tasks_image(base_image: str, tmp_path: Path) -> None:
+    """Checked with the host's network allowed: the offline task's container still reaches nothing,
+    not even a listener on this host's own address."""
+    from tests.test_harbor import harbor_task
+
+    address = _outward_address()
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+    reach = (
+        "import socket; s = socket.socket(); s.settimeout(3)\n"
+        f"try:\n    s.connect(({address!r}, {port})); print('reached')\n"
+        "except OSError:\n    print('blocked')\n"
+    )
+    test_sh = (
+        f'#!/bin/bash\nif [ -f /app/done ] && [ "$(python3 -c "{reach}")" = blocked ]; then echo 1; '
+        "else echo 0; fi > /logs/verifier/reward.txt\n"
+    )
+    harbor_task(
+        tmp_path / "set",
+        "offline",
+        test_sh=test_sh,
+        solve_sh="#!/bin/bash\ntouch /app/done\n",
+        environment="allow_internet = false",
+        dockerfile=f"FROM {IMAGE}\nWORKDIR /app\n",
+    )
+    try:
+        checked = CliRunner().invoke(
+            cli, ["tasks", "check", str(tmp_path / "set"), "--backend", "docker", "--network", "host"]
+        )
+    finally:
+        listener.close()
+    assert checked.exit_code == 0, checked.output
+    assert checked.output.startswith("ok   offline (untouched 0.00; solved 1.00, 1.00)"), checked.output

@@ -140,9 +140,11 @@ class DockerBackend:
                     await self.call(lambda: self.client.images.pull(image))
             except docker.errors.BuildError as e:
                 tail = "".join(str(line.get("stream", line.get("error", ""))) for line in e.build_log)
+                absent = [f for f in from_images(build) if not await self._present(f)] if build else []
+                why = f" (its FROM image {', '.join(absent)} is neither on the engine nor pullable)"
                 self._failed[image] = (
-                    f"task {task!r}: building its image {image} from {build}/Dockerfile failed: "
-                    + tail[-800:].strip()
+                    f"task {task!r}: building its image {image} from {build}/Dockerfile failed"
+                    f"{why if absent else ''}: {tail[-800:].strip()}"
                 )
             except docker.errors.DockerException as e:
                 how = f"building it from {build}/Dockerfile" if build else "pulling it"
@@ -153,6 +155,13 @@ class DockerBackend:
             if image in self._failed:
                 raise ImageUnavailable(self._failed[image])
             self._ready.add(image)
+
+    async def _present(self, image: str) -> bool:
+        try:
+            await self.call(lambda: self.client.images.get(image))
+            return True
+        except docker.errors.DockerException:
+            return False
 
     def check(self) -> BackendCheck:
         available: dict[str, str] = {}
@@ -184,6 +193,19 @@ class DockerBackend:
                 f"cannot reach the Docker engine ({e}): is dockerd running, and its socket yours?"
             )
         return BackendCheck(self.name, self.isolation, "cgroup", available, missing)
+
+
+def from_images(context: Path) -> list[str]:
+    """The images the Dockerfile in `context` builds FROM (not its own stages, not scratch)."""
+    images, stages = [], {"scratch"}
+    for line in (context / "Dockerfile").read_text(errors="replace").splitlines():
+        words = [w for w in line.split() if not w.startswith("--")]
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            if words[1].lower() not in stages:
+                images.append(words[1])
+            if len(words) >= 4 and words[2].upper() == "AS":
+                stages.add(words[3].lower())
+    return images
 
 
 def _cgroup_counters(pid: int) -> Counters | None:
