@@ -4,13 +4,23 @@ missing CLI refused before any model is loaded, with the command that installs i
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
+import openforgerl
 from openforgerl.cli import main as cli
-from openforgerl.harnesses.launch import HarnessChoice, HarnessNotInstalled, LaunchOptions, harness_names
+from openforgerl.harnesses.launch import (
+    PYTHON_INSIDE,
+    HarnessChoice,
+    HarnessNotInstalled,
+    LaunchOptions,
+    harness_names,
+    python_binds,
+)
 from openforgerl.tasks import Task, load_tasks
 
 
@@ -47,9 +57,29 @@ def test_a_missing_cli_is_refused_naming_the_install_command(tmp_path: Path) -> 
 def test_the_react_launch_is_unchanged_through_the_choice(tmp_path: Path) -> None:
     class FakeSandbox:  # only what react's launch reads
         tmpdir = str(tmp_path)
+        info = SimpleNamespace(backend="local")
 
     launch = asyncio.run(HarnessChoice("react")(_task(), "http://gw/r/ro_1", "key", FakeSandbox()))  # type: ignore[arg-type]
     assert launch.argv[1:3] == ["-m", "openforgerl.harnesses.react"] and "--max-turns" in launch.argv
+    assert launch.argv[0] == sys.executable
+
+
+def test_in_a_container_react_runs_on_the_images_python_with_the_bound_modules(tmp_path: Path) -> None:
+    """#36: a task's image does not hold the project: the harness's modules are bound read-only at
+    PYTHON_INSIDE, and the image's python3 runs them."""
+
+    class FakeSandbox:
+        tmpdir = "/tmp"
+        info = SimpleNamespace(backend="docker")
+
+    launch = asyncio.run(HarnessChoice("react")(_task(), "http://gw/r/ro_1", "key", FakeSandbox()))  # type: ignore[arg-type]
+    assert launch.argv[:3] == ["python3", "-m", "openforgerl.harnesses.react"]
+    assert launch.env == {"PYTHONPATH": PYTHON_INSIDE}
+    binds = dict(python_binds("docker"))
+    assert binds[str(Path(openforgerl.__file__).parent / "harnesses" / "react.py")] == (
+        f"{PYTHON_INSIDE}/openforgerl/harnesses/react.py"
+    )
+    assert all(inside.startswith(PYTHON_INSIDE) for inside in binds.values())
 
 
 def test_eval_refuses_a_missing_cli_before_loading_a_model(tmp_path: Path) -> None:

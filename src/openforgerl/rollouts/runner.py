@@ -9,10 +9,12 @@ retried and, past the retries, reported as `infra_failed`, never scored: a sandb
 the task's set-up) that does not start, the sandbox failing under a command, the engine unavailable
 to one of the rollout's model calls, a verifier that cannot be loaded or asked
 (`VerifierUnavailable`), and an exit code a harness names for its environment failing (the GUI
-harness's site or browser). What the agent can cause is scored: a harness that crashes or times out
-by `on_failure` ("zero": reward 0, "drop": excluded from training and scores, "verify": the
-verifier judges the partial state), and a verifier failing on the state the agent left (it timed
-out on a program left running, the reward file could not be written, the tests could not run) 0.
+harness's site or browser). A task's image that can be neither found nor built (`ImageUnavailable`)
+is infra_failed at once: no retry makes it. What the agent can cause is scored: a harness that
+crashes or times out by `on_failure` ("zero": reward 0, "drop": excluded from training and scores,
+"verify": the verifier judges the partial state), and a verifier failing on the state the agent left
+(it timed out on a program left running, the reward file could not be written, the tests could not
+run) 0.
 RL alone may leave a wall-clock timeout out (`exclude_timeouts`): how long a rollout takes depends
 on the machine's load, not only on the policy.
 

@@ -13,8 +13,14 @@ the bridge, with the gateway through the same relay (so a gateway on the host's 
 A spec with its own work dir (`SandboxSpec.workdir`, Harbor's /app) gets there a fresh volume that
 Docker fills from the image (what its Dockerfile put there), runs as the image's user (Harbor's tasks
 are written for it; still without capabilities), and gets its HOME, /tmp and extra dirs (/tests,
-/logs/verifier) as tmpfs that any user may write. A spec with `build` has its image built from that
-Dockerfile first, where the engine lacks it.
+/logs/verifier) as tmpfs that any user may write. A sandbox's image is made once per backend
+(`ensure_image`): found on the engine, else built from the spec's `build` Dockerfile, else pulled; one
+that cannot be had raises ImageUnavailable naming the task and the image (and its missing FROM
+images), at once again for every later sandbox of it: the runner marks that task, the others run on.
+
+`ro_binds` are bind-mounted read-only (the built-in harnesses' modules, which the image's python3 runs:
+harnesses/launch.py), so the engine must see this host's files (a local engine); `hidden` is the local
+backend's alone.
 
 Commands and files go through `docker exec` with container.py's wrapper, as in the Kubernetes backend
 (tar into tmpfs cannot use docker's archive API: it writes beneath the mounts). The SDK blocks, so
