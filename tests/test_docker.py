@@ -345,3 +345,34 @@ def test_allow_internet_false_holds_in_the_tasks_image(base_image: str, tmp_path
         listener.close()
     assert checked.exit_code == 0, checked.output
     assert checked.output.startswith("ok   offline (untouched 0.00; solved 1.00, 1.00)"), checked.output
+
+
+def test_one_backend_option_makes_the_runs_backend(tmp_path: Path) -> None:
+    """No engine needed: --backend's settings reach the backend the run makes, a setting it does not
+    know is a usage error before anything runs, and train keeps the choice for --resume."""
+    from openforgerl.cli.options import backend_choice
+    from openforgerl.rl.config import TrainOptions
+
+    settings = tmp_path / "docker.yaml"
+    settings.write_text("runtime: runsc\ntmpfs_size: 2g\n")
+    kw = {
+        "backend": "docker",
+        "image": "img:1",
+        "docker_host": "unix:///x.sock",
+        "backend_config": str(settings),
+    }
+    choice = backend_choice(kw)
+    made = choice.make("run-1")
+    assert isinstance(made, DockerBackend) and not kw
+    assert made.cfg == DockerConfig(
+        run_id="run-1", image="img:1", base_url="unix:///x.sock", runtime="runsc", tmpfs_size="2g"
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no_such: 1\n")
+    args = ["--tasks", "tools-tiny", "--gateway", "http://127.0.0.1:9", "--backend", "docker"]
+    for command in ("eval", "rollout"):
+        result = CliRunner().invoke(cli, [command, *args, "--backend-config", str(bad)])
+        assert result.exit_code == 2 and "the docker backend has no setting no_such" in result.output
+    opts = TrainOptions(model="m", out=tmp_path, backend=choice)
+    assert TrainOptions.from_json(json.loads(json.dumps(opts.to_json()))).backend == choice
+    assert TrainOptions.from_json({**opts.to_json(), "backend": None}).backend.name == "local"  # older runs
