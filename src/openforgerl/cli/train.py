@@ -244,7 +244,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
 
         if model_dir or out or resume:
             raise click.UsageError(
-                "--model/--out/--resume are for the embedded backend; with veRL use Hydra overrides "
+                "--model/--out/--resume are for the embedded trainer; with veRL use Hydra overrides "
                 "(actor_rollout_ref.model.path=..., trainer.default_local_dir=..., trainer.resume_mode=auto)"
             )
         try:
