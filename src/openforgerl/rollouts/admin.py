@@ -24,6 +24,10 @@ import httpx
 from openforgerl.rollouts.trajectory import RecordedCall, calls_from_json
 
 CALLS_TIMEOUT_S = 120.0  # a long rollout's calls are many megabytes of JSON
+# A pooled connection idle this long is not reused: uvicorn closes idle ones after 5 s, httpx would
+# reuse them up to 5 s, and a request sent as the server closes fails ("Server disconnected"). A
+# rollout of about 5 s met that between opening its gateway rollout and reading its calls.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,10 @@ class AdminClient:
 
     def __init__(self, url: str, admin_token: str, timeout: float = 60.0) -> None:
         self._http = httpx.AsyncClient(
-            base_url=url, headers={"authorization": f"Bearer {admin_token}"}, timeout=timeout
+            base_url=url,
+            headers={"authorization": f"Bearer {admin_token}"},
+            timeout=timeout,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def aclose(self) -> None:
@@ -71,8 +78,12 @@ class AdminClient:
     async def calls(self, rollout_id: str) -> list[RecordedCall] | None:
         """The rollout's recorded calls, in the order they were made; None when the gateway cannot
         say (unreachable, or it has no such rollout)."""
+        url = f"/admin/rollouts/{rollout_id}/calls"
         try:
-            resp = await self._http.get(f"/admin/rollouts/{rollout_id}/calls", timeout=CALLS_TIMEOUT_S)
+            try:
+                resp = await self._http.get(url, timeout=CALLS_TIMEOUT_S)
+            except (httpx.RemoteProtocolError, httpx.ReadError):  # a pooled connection closed under it
+                resp = await self._http.get(url, timeout=CALLS_TIMEOUT_S)
         except httpx.HTTPError:
             return None
         return calls_from_json(resp.json()) if resp.status_code == 200 else None
