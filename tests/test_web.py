@@ -406,7 +406,8 @@ def test_a_verifier_without_state_or_answer_gives_zero(tmp_path: Path) -> None:
 
 def test_the_gui_harness_launch_and_eval_choice() -> None:
     task = BY_ID["web-shop-buy-one-0"]
-    sandbox: Any = SimpleNamespace(tmpdir="/tmp")  # all the launch asks of its sandbox
+    # All the launch asks of its sandbox.
+    sandbox: Any = SimpleNamespace(tmpdir="/tmp", info=SimpleNamespace(backend="local"))
 
     def argv(task: Task, **kw: Any) -> list[str]:
         return asyncio.run(gui_harness(python="py", **kw)(task, "http://gw/r/1", "key", sandbox)).argv
