@@ -376,3 +376,71 @@ def test_one_backend_option_makes_the_runs_backend(tmp_path: Path) -> None:
     opts = TrainOptions(model="m", out=tmp_path, backend=choice)
     assert TrainOptions.from_json(json.loads(json.dumps(opts.to_json()))).backend == choice
     assert TrainOptions.from_json({**opts.to_json(), "backend": None}).backend.name == "local"  # older runs
+
+
+def test_a_container_killed_mid_rollout_is_scored_or_retried_by_who_killed_it(
+    engine: docker.DockerClient, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The reward's contract on a real engine, in one run: the agent's own program eating memory is
+    OOM-killed (its doing: scored, the harness's own death by it 0); the agent ending its container
+    from inside (`kill -9 -1`) is scored too; `docker kill` from outside is infrastructure, retried,
+    and the retry scores. No other rollout of the run is lost."""
+    import threading as th
+
+    from openforgerl.harnesses.launch import HarnessLaunch
+    from openforgerl.rollouts.results import Status
+    from openforgerl.rollouts.runner import Runner, RunnerConfig
+    from openforgerl.sandbox.docker import DockerSandbox
+    from openforgerl.tasks import Task
+    from tests.gateway_helpers import ScriptEngine, running_gateway
+
+    hog = "python3 -c 'x = bytearray(512 << 20)'"
+    commands = {  # each task's harness: a shell command, per attempt
+        "plain": ["touch a.txt"],
+        "hog-in-a-tool": [f"{hog}; touch a.txt"],  # the hog dies, the harness goes on
+        "hog-is-the-harness": [f"exec {hog}"],
+        "kills-its-container": ["kill -9 -1; sleep 30"],
+        "killed-from-outside": ["sleep 60; touch a.txt", "touch a.txt"],
+    }
+    attempts: dict[str, int] = {}
+
+    async def harness(task: Task, base_url: str, api_key: str, sandbox: Any) -> HarnessLaunch:
+        n = attempts[task.id] = attempts.get(task.id, 0) + 1
+        if task.id == "killed-from-outside" and n == 1:
+            assert isinstance(sandbox, DockerSandbox)
+            th.Timer(3, sandbox._container.kill).start()
+        return HarnessLaunch(["sh", "-c", commands[task.id][min(n, 2) - 1]], {})
+
+    tasks = [
+        Task(id=t, instruction="-", split="test", verifier=CommandVerifier(command="test -f a.txt"))
+        for t in commands
+    ]
+    with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
+        cfg = RunnerConfig(
+            gw.url,
+            gw.gateway.admin_token,
+            "dock-kill",
+            tmp_path / "runner.db",
+            concurrency=5,
+            limits=Limits(memory_bytes=128 << 20, pids=128, wall_time_s=120),
+            ro_binds=[],
+            hidden=[],
+        )
+        runner = Runner(cfg, backend("dock-kill"), harness)
+
+        async def go() -> Any:
+            try:
+                return await runner.run(tasks)
+            finally:
+                await runner.close()
+
+        results = {r.task_id: r for r in asyncio.run(go())}
+    got = {t: (r.status, r.reward, r.outcome, r.attempts) for t, r in results.items()}
+    assert got == {
+        "plain": (Status.DONE, 1.0, "ok", 1),
+        "hog-in-a-tool": (Status.DONE, 1.0, "ok", 1),
+        "hog-is-the-harness": (Status.DONE, 0.0, "killed:oom", 1),
+        "kills-its-container": (Status.DONE, 0.0, "killed:signal 9", 1),
+        "killed-from-outside": (Status.DONE, 1.0, "ok", 2),
+    }, got
+    assert not ours(engine, "dock-kill")

@@ -26,7 +26,9 @@ Commands and files go through `docker exec` with container.py's wrapper, as in t
 (tar into tmpfs cannot use docker's archive API: it writes beneath the mounts). The SDK blocks, so
 every call runs in a thread pool of the backend's own, sized for commands that run for an hour.
 An OOM kill or a pids-limit hit is read from the container's cgroup where this host has it (a local
-engine), as the local backend does.
+engine), as the local backend does: the rollout's doing, a result. A container that the engine was
+told to kill under a command (docker kill, stop, rm -f: its events say) is not: SandboxStartError,
+which the runner retries.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,6 +257,7 @@ class DockerSandbox(container.ContainerSandbox):
         self.backend = backend
         self._container: Any = None
         self._pid: int | None = None
+        self._started = 0.0  # when its container was asked for: the engine's kills since then count
         self._dir: Path | None = None
         self._bridge: bridge.HostBridge | None = None
 
@@ -353,6 +357,7 @@ class DockerSandbox(container.ContainerSandbox):
             self._dir.chmod(0o755)
             (self._dir / "gw.sock").chmod(0o666)
         kwargs = self._run_kwargs()
+        self._started = time.time()
         try:
             self._container = await self.backend.call(lambda: client.containers.run(**kwargs))
         except docker.errors.ImageNotFound as e:  # removed since ensure_image saw it
@@ -429,9 +434,34 @@ class DockerSandbox(container.ContainerSandbox):
     async def _blame(
         self, code: int, lost: container.StreamLost | None, before: Counters | None
     ) -> str | None:
-        if before is None or not self._pid:
-            return None
-        return before.limit_hit(_cgroup_counters(self._pid))
+        """A limit the rollout hit (its memory, its pids): a result. The container killed from outside
+        under the command: SandboxStartError, retried (the reward's contract)."""
+        hit = before.limit_hit(_cgroup_counters(self._pid)) if before is not None and self._pid else None
+        if hit is None and code == 128 + 9:
+            why = await self.backend.call(self._killed_outside)
+            if why:
+                raise SandboxStartError(f"sandbox {self.name}: {why} under the command")
+        return hit
+
+    def _killed_outside(self) -> str | None:
+        """Why the container died, where the engine was told to kill it (docker kill, stop, rm -f) or
+        it is gone. The agent can end its container too (`kill -9 -1` takes the idle process), but
+        the engine then records no kill: that is the agent's doing, and scored."""
+        try:
+            self._container.reload()
+        except docker.errors.NotFound:
+            return "its container was removed"
+        # Not its state: the command's end may be seen before the container's.
+        kills = self.backend.client.events(
+            since=self._started,
+            until=time.time(),
+            filters={"container": self._container.id, "event": "kill"},
+            decode=True,
+        )
+        for event in kills:
+            signal = event.get("Actor", {}).get("Attributes", {}).get("signal", "?")
+            return f"its container was killed from outside (the engine's kill, signal {signal})"
+        return None
 
 
 def _runner_alive(runner: str) -> bool:
