@@ -168,9 +168,13 @@ docker-base:
 
 ## The Docker backend against a real engine (tests/test_docker.py, skipped by `make test` when none is
 ## reachable): Debian's dockerd started here with no bridge and no iptables, the base image above
-## (tests/docker_engine.sh; as root): image-bound Harbor tasks through tasks check, eval and one GRPO
-## step with the tiny model. About 3 minutes the first time (debootstrap), 2 after.
+## (tests/docker_engine.sh; as root): image-bound Harbor tasks through tasks check, eval (the built-in
+## harness, mini-swe-agent and pi inside the images: installed first) and one GRPO step with the tiny
+## model; containers killed mid-rollout. About 3 minutes the first time (debootstrap), 2 after.
 
 .PHONY: test-docker
 test-docker: $(STAMP)
-	sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) $(BIN)/pytest -q tests/test_docker.py
+	$(BIN)/openforge harness install mini-swe-agent --cache $(HARNESS_CACHE)
+	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) \
+	  $(BIN)/pytest -q -m 'not vllm and not ui and not real_model' tests/test_docker.py

@@ -254,6 +254,29 @@ def test_eval_runs_the_tiny_model_inside_the_tasks_own_images(
     assert not ours(engine, out.name)
 
 
+@pytest.mark.harness
+@pytest.mark.parametrize("name", ["mini-swe-agent", "pi"])
+def test_eval_runs_a_real_agent_cli_inside_a_tasks_image(
+    name: str, base_image: str, engine: docker.DockerClient, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The CLI is not in the image: its install folder is bound read-only, and the host's runtime it
+    runs on (mini-swe-agent's venv's base Python, pi's node: harnesses/launch.py runtime_binds).
+    The tiny model's calls reach the gateway from inside the image, and the rollout ends with a
+    verdict, the CLI having run to its own end."""
+    from openforgerl.harnesses.adapters import get
+
+    if not get(name).check().ok:
+        pytest.skip(f"{name} is not installed: {get(name).check().missing} (make test-docker installs it)")
+    out = tmp_path / "eval"
+    args = ["eval", "--tasks", f"harbor:{EXAMPLES}/word-count", "--backend", "docker", "--harness", name]
+    result = CliRunner().invoke(cli, [*args, "--model", str(tiny_model_dir), *TINY, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert (report["status"], report["outcomes"]) == ({"done": 1}, {"ok": 1}), report
+    assert report["tokens"]["training"]["calls"] >= 1 and report["tokens"]["completion"] > 0, report
+    assert not ours(engine, out.name)
+
+
 def test_one_grpo_step_on_image_bound_tasks(base_image: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--tasks", f"harbor:{EXAMPLES}", "--backend", "docker", "--model", str(tiny_model_dir)]

@@ -4,6 +4,7 @@ missing CLI refused before any model is loaded, with the command that installs i
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,8 +43,11 @@ def test_a_tasks_own_harness_wins_over_the_runs(tmp_path: Path) -> None:
     plain, own = _task(), _task("pi")
     assert choice.name_for(plain) == "react" and choice.name_for(own) == "pi"
     assert choice.names([plain, own, plain]) == ["react", "pi"]
-    # Only CLI harnesses need their install folder inside the sandbox.
-    assert choice.ro_binds([plain]) == [] and choice.ro_binds([own]) == [str(tmp_path)]
+    # Only CLI harnesses need their install folder inside the sandbox, and an npm CLI the host's node
+    # (a task's image has none).
+    node = shutil.which("node")
+    node_bind = [(str(Path(node).resolve()), node)] if node else []
+    assert choice.ro_binds([plain]) == [] and choice.ro_binds([own]) == [str(tmp_path), *node_bind]
     assert choice.version("pi").startswith("pi ") and choice.version("react").startswith("openforgerl ")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import shutil
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from openforgerl import __version__
 from openforgerl.harnesses import adapters
-from openforgerl.harnesses.base import Harness
+from openforgerl.harnesses.base import Harness, NpmHarness
 from openforgerl.harnesses.gui import EXIT_INFRA as GUI_EXIT_INFRA
 from openforgerl.sandbox import Sandbox
 from openforgerl.tasks import Task
@@ -141,7 +142,8 @@ def cli_harness(harness: Harness, model: str = "policy", max_turns: int | None =
 
     The adapter writes its config files into a scratch HOME on the host; they are copied into the
     sandbox's own HOME, and host paths in the environment are rewritten to the inside ones. The
-    harness's install folder must be visible inside (RunnerConfig.ro_binds).
+    harness's install folder and its runtime (runtime_binds) must be visible inside, at the host's
+    paths (RunnerConfig.ro_binds): so it runs in a task's own image too.
     """
 
     async def launch(task: Task, base_url: str, api_key: str, sandbox: Sandbox) -> HarnessLaunch:
@@ -208,6 +210,24 @@ def python_binds(backend: str = "local") -> list[str | tuple[str, str]]:
     return binds + [str(package / m) for m in SANDBOX_MODULES if (package / m).is_file()]
 
 
+def runtime_binds(harness: Harness) -> list[str | tuple[str, str]]:
+    """The host's runtime that a CLI's install runs on, seen at the host's path: a task's image has
+    neither this interpreter nor Node. A venv's base interpreter (pyvenv.cfg's `home`: the venv's
+    python links there; one under /usr is the image's own to have) and, for an npm CLI, the host's
+    node binary (the image's libc and libstdc++ must do for it)."""
+    found: list[str | tuple[str, str]] = []
+    cfg = Path(getattr(harness, "venv", "/nonexistent")) / "pyvenv.cfg"
+    if cfg.is_file():
+        keys = dict(line.partition(" = ")[::2] for line in cfg.read_text().splitlines())
+        home = keys.get("home", "").strip()
+        if home and not home.startswith(("/usr", "/bin")):
+            found.append(str(Path(home).parent))
+    node = shutil.which("node") if isinstance(harness, NpmHarness) else None
+    if node:
+        found.append((str(Path(node).resolve()), node))
+    return found
+
+
 def python_hidden() -> list[str]:
     """What python_binds() shows that the agent must not see (RunnerConfig.hidden): the package's
     folder, which sandboxes replace by an empty one holding only SANDBOX_MODULES. Out of sight so:
@@ -269,9 +289,14 @@ class HarnessChoice:
                     f" (into {self.adapter(name).cache_dir})."
                 )
 
-    def ro_binds(self, tasks: Sequence[Task]) -> list[str]:
-        """What the sandboxes must see read-only besides Python: the CLIs' install folders."""
-        return sorted({str(self.adapter(n).cache_dir) for n in self.names(tasks) if n not in BUILTIN})
+    def ro_binds(self, tasks: Sequence[Task]) -> list[str | tuple[str, str]]:
+        """What the sandboxes must see read-only besides Python: the CLIs' install folders and the
+        runtimes they run on (runtime_binds)."""
+        found: dict[str, str | tuple[str, str]] = {}
+        for adapter in (self.adapter(n) for n in self.names(tasks) if n not in BUILTIN):
+            for bind in (str(adapter.cache_dir), *runtime_binds(adapter)):
+                found[bind if isinstance(bind, str) else bind[1]] = bind
+        return [found[k] for k in sorted(found)]
 
     def version(self, name: str) -> str:
         """What a report names: an adapter's pinned version, or this package's for a built-in one."""
