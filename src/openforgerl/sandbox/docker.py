@@ -143,7 +143,9 @@ class DockerBackend:
             try:
                 if build is not None:
                     log.info("building image %s from %s", image, build)
-                    await self.call(lambda: self.client.images.build(path=str(build), tag=image, rm=True))
+                    # forcerm: a failed step's container goes too, not only a built one's.
+                    context = str(build)
+                    await self.call(lambda: self.client.images.build(path=context, tag=image, forcerm=True))
                 else:
                     log.info("pulling image %s", image)
                     await self.call(lambda: self.client.images.pull(image))
