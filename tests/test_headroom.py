@@ -14,7 +14,8 @@ from openforgerl.cli.train import train_cmd
 from openforgerl.eval_stats import pass_at_k
 from openforgerl.rl import headroom
 from openforgerl.rl.headroom import Headroom, draw_tasks, headroom_of
-from openforgerl.rl.loop import TrainOptions, train, training_tasks
+from openforgerl.rl.loop import TrainOptions, train
+from openforgerl.rl.runs import training_tasks
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.trajectory import Sample
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from openforgerl.engines.base import EngineUnavailable
 from openforgerl.evaluate import EvalOptions, run_eval
 from openforgerl.harnesses.launch import HarnessLaunch
-from openforgerl.rl import loop
+from openforgerl.rl import loop, runs
 from openforgerl.rl.loop import TrainOptions, collect_step, step_line
 from openforgerl.rollouts.results import RunState, Status
 from openforgerl.rollouts.runner import Runner, RunnerConfig
@@ -248,11 +248,11 @@ def test_a_timed_out_rollout_in_rl_is_left_out_by_default_and_counted(
         model=str(tiny_model_dir), out=tmp_path / "run", group=2, batch_tasks=1, concurrency=1,
         progress=False, on_timeout=on_timeout,
     )  # fmt: skip
-    monkeypatch.setattr(loop, "harness_choice", lambda o: Shell("sleep 30", SOLVE))
+    monkeypatch.setattr(runs, "harness_choice", lambda o: Shell("sleep 30", SOLVE))
     with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
         got = collect_step(RolloutService.of(gw), opts, [task], 1)
         # The held-out evaluation during training scores a timeout 0, as `openforge eval` does.
-        monkeypatch.setattr(loop, "harness_choice", lambda o: Shell("sleep 30"))
+        monkeypatch.setattr(runs, "harness_choice", lambda o: Shell("sleep 30"))
         held_out = loop.evaluate(RolloutService.of(gw), opts, [task], 1)
     assert [r.outcome for r in got.results] == ["timeout", "ok"]
     assert sorted(float(r.reward or 0.0) for r in got.rollouts) == trained

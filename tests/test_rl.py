@@ -34,10 +34,9 @@ from openforgerl.rl.loop import (
     load_options,
     mixed_groups,
     ptx_demonstrations,
-    step_tasks,
     train,
-    training_tasks,
 )
+from openforgerl.rl.runs import start_engine, step_tasks, training_tasks
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, chat_sample, oracle_samples
 from openforgerl.rl.trainer import (
     SHARED_PREFIX_MIN,
@@ -83,7 +82,7 @@ def test_vanilla_ppo_loss_and_clip_fraction_by_hand() -> None:
     lp = torch.tensor([[LOG_1_5, LOG_0_5, 0.0], [LOG_1_1, 0.0, 0.0]])
     adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    cfg = algos.LossConfig().actor_config(group_size=2)
+    cfg = algos.actor_config(algos.LossConfig(), group_size=2)
     # Per token: -min(r A, clip(r, 0.8, 1.2) A): -1.2 (clipped), -0.5, 1.1, 1, 1; token mean over 5.
     loss, metrics = algos.policy_loss(lp, old, adv, mask, cfg, algos.MiniBatchSize(tokens=5, sequences=2))
     assert float(loss) == pytest.approx(1.4 / 5, abs=1e-6)
@@ -105,7 +104,7 @@ def test_vanilla_ppo_loss_and_clip_fraction_by_hand() -> None:
 def test_kl_to_reference_and_sft_loss_by_hand() -> None:
     lp = torch.tensor([[LOG_0_5, 0.0]])
     mask = torch.tensor([[1.0, 0.0]])
-    cfg = algos.LossConfig(kl_coef=0.5).actor_config(group_size=2)
+    cfg = algos.actor_config(algos.LossConfig(kl_coef=0.5), group_size=2)
     zero_adv = torch.zeros(1, 2)
     loss, metrics = algos.policy_loss(
         lp, lp.detach(), zero_adv, mask, cfg, algos.MiniBatchSize(1, 1), ref_logprobs=torch.zeros(1, 2)
@@ -352,16 +351,15 @@ def test_a_server_engine_starts_one_version_back_and_gets_the_weights_pushed_fir
     """`openforge train --engine vllm:URL`: a server's weights are unknown until the loop pushes the
     starting model (or the last checkpoint); that push brings the engine to the trainer's version."""
     from openforgerl.engines.vllm import VLLMEngine
-    from openforgerl.rl.loop import _start_engine
 
-    server, push_first = _start_engine("vllm:http://127.0.0.1:9", tiny_model_dir, 3)
+    server, push_first = start_engine("vllm:http://127.0.0.1:9", tiny_model_dir, 3)
     assert isinstance(server, VLLMEngine) and push_first
     assert server.policy_version == 2 and server.base_url == "http://127.0.0.1:9"
     asyncio.run(server.close())
-    builtin, push_first = _start_engine("builtin", tiny_model_dir, 3)
+    builtin, push_first = start_engine("builtin", tiny_model_dir, 3)
     assert isinstance(builtin, TransformersEngine) and not push_first and builtin.policy_version == 3
     with pytest.raises(ValueError, match="unknown engine"):
-        _start_engine("vllm", tiny_model_dir, 0)
+        start_engine("vllm", tiny_model_dir, 0)
 
 
 # ---- SFT -------------------------------------------------------------------------------------

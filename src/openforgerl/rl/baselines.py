@@ -87,7 +87,8 @@ def rejection_sampling_data(
     `engine`: the engine behind the gateway (None: the built-in engine on `model_dir`; a scripted
     one in tests)."""
     from openforgerl.gateway.server import GatewayConfig
-    from openforgerl.rl.loop import recorded_rollouts, run_tasks, step_tasks, training_tasks
+    from openforgerl.rl.loop import recorded_rollouts
+    from openforgerl.rl.runs import run_tasks, step_tasks, training_tasks
     from openforgerl.rl.sft import write_samples
     from openforgerl.rollouts.service import embedded
 

@@ -33,13 +33,7 @@ class LossConfig:
     tis: Literal["token", "sequence"] | None = "token"
     tis_threshold: float = 2.0
     kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-
-    def actor_config(self, group_size: int) -> Any:
-        """veRL's ActorConfig carrying these settings (its policy losses read them from it)."""
-        from openforgerl.rl.algos import actor_config
-
-        return actor_config(self, group_size)
+    kl_type: str = "low_var_kl"  # veRL's ActorConfig for these: rl/algos.py actor_config
 
 
 @dataclass(frozen=True)

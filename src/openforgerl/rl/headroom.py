@@ -217,7 +217,7 @@ def measure_headroom(
     """Run `k` rollouts of `n_tasks` of `tasks` (drawn from opts.seed) as the loop runs a step's
     (its harness, and the gateway's temperature: opts.temperature), with runner state in
     out_dir/headroom/ (finished rollouts are never redone), and measure them."""
-    from openforgerl.rl.loop import run_tasks
+    from openforgerl.rl.runs import run_tasks
 
     if n_tasks < 1 or k < 1:
         raise ValueError(f"headroom needs at least 1 task and 1 run each, not {n_tasks} x {k}")
@@ -265,7 +265,7 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
     gateway and harness training would use, write headroom.json in opts.out, and train nothing.
     `engine` replaces the one opts.engine names (tests)."""
     from openforgerl.gateway.server import GatewayConfig, serve_in_thread
-    from openforgerl.rl.loop import _start_engine, harness_choice, training_tasks
+    from openforgerl.rl.runs import harness_choice, start_engine, training_tasks
     from openforgerl.rollouts.runner import check_images
     from openforgerl.rollouts.service import RolloutService
 
@@ -276,7 +276,7 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
     model_dir = Path(opts.model)
     push_first = False
     if engine is None:
-        engine, push_first = _start_engine(opts.engine, model_dir, 0)
+        engine, push_first = start_engine(opts.engine, model_dir, 0)
     opts.out.mkdir(parents=True, exist_ok=True)
     gw_cfg = GatewayConfig(
         model=str(model_dir),

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import shutil
 import threading
 import time
@@ -93,16 +92,15 @@ from typing import Any
 from tqdm import tqdm
 
 from openforgerl import behaviour
-from openforgerl.engines import make_engine
 from openforgerl.engines.base import Engine
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
-from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rl import headroom
 from openforgerl.rl.config import TrainOptions as TrainOptions
+from openforgerl.rl.runs import harness_choice, run_tasks, start_engine, step_tasks, training_tasks
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import check_images
-from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
+from openforgerl.rollouts.service import Cancel, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.run_status import recording
 from openforgerl.tasks import Task, load_tasks
@@ -115,15 +113,6 @@ def load_options(run_dir: Path) -> TrainOptions:
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run to resume ({RUN_FILE} is missing)")
     return TrainOptions.from_json(json.loads(path.read_text()))
-
-
-def training_tasks(opts: TrainOptions) -> list[Task]:
-    """The tasks RL draws from: the split, less its first `skip_tasks`."""
-    tasks = load_tasks(opts.tasks, split=opts.split)[opts.skip_tasks :]  # type: ignore[arg-type]
-    if not tasks:
-        skipped = f" after the first {opts.skip_tasks}" if opts.skip_tasks else ""
-        raise ValueError(f"no {opts.split} tasks in {opts.tasks}{skipped}")
-    return tasks
 
 
 def ptx_demonstrations(opts: TrainOptions) -> list[Sample]:
@@ -140,17 +129,6 @@ def ptx_demonstrations(opts: TrainOptions) -> list[Sample]:
     return samples
 
 
-def step_tasks(
-    tasks: Sequence[Task], step: int, n: int, seed: int, batch: int = 0, drawn: Sequence[Task] = ()
-) -> list[Task]:
-    """The tasks of `step`'s generation batch `batch`, none of `drawn`: drawn from (seed, step,
-    batch) alone, so a resumed run draws the same ones."""
-    taken = {t.id for t in drawn}
-    rest = [t for t in tasks if t.id not in taken]
-    rng = random.Random(f"{seed}:{step}" if batch == 0 else f"{seed}:{step}:{batch}")
-    return rng.sample(rest, min(n, len(rest)))
-
-
 def mixed_groups(results: Sequence[RolloutResult]) -> list[str]:
     """The tasks whose scored rollouts got at least two different rewards, in order of appearance:
     the groups with a GRPO signal (the trainer drops the others)."""
@@ -159,41 +137,6 @@ def mixed_groups(results: Sequence[RolloutResult]) -> list[str]:
         if r.status == Status.DONE and r.reward is not None:
             rewards.setdefault(r.task_id, set()).add(r.reward)
     return [task for task, seen in rewards.items() if len(seen) > 1]
-
-
-def run_tasks(
-    service: RolloutService,
-    tasks: Sequence[Task],
-    n: int,
-    state_dir: Path,
-    run_id: str,
-    opts: TrainOptions,
-    *,
-    sampling: dict[str, Any] | None = None,
-    desc: str = "rollouts",
-    cancel: Cancel | None = None,
-    training: bool = False,
-) -> list[RolloutResult]:
-    """Run every task n times through the service; `state_dir` keeps the runner's state.
-    `cancel` lets another thread stop the run (its runner cleans up as on Ctrl-C). `training`:
-    rollouts for the policy update, where a wall-clock timeout follows `opts.on_timeout`;
-    measurements (held-out evaluation, headroom) score it as a failure, as `openforge eval` does."""
-    job = RolloutJob(
-        harness_choice(opts),
-        run_id=run_id,
-        state_path=state_dir / "runner.db",
-        concurrency=opts.concurrency,
-        on_failure=opts.on_failure,
-        exclude_timeouts=training and opts.on_timeout == "exclude",
-        sampling=sampling or {},
-    )
-    return service.run(tasks, n, job, progress=opts.progress, desc=desc, leave=False, cancel=cancel)
-
-
-def harness_choice(opts: TrainOptions) -> HarnessChoice:
-    """The run's harnesses (harnesses/launch.py), as `openforge eval` chooses them."""
-    launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
-    return HarnessChoice(opts.harness, launch)
 
 
 def recorded_rollouts(results: Sequence[RolloutResult]) -> list[Rollout]:
@@ -231,18 +174,6 @@ def evaluate(
         "eval/infra_failed": sum(r.status == Status.INFRA_FAILED for r in results),
         "eval/timed_out": sum(r.outcome == "timeout" for r in results),
     }
-
-
-def _start_engine(spec: str, model_dir: Path, version: int) -> tuple[Engine, bool]:
-    """The engine of `spec` and whether `model_dir` must be pushed into it before the first rollout.
-
-    The builtin engine loads `model_dir` itself: a resumed run's engine starts on the checkpoint's
-    weights, so its calls carry that version. A server holds weights of its own: it starts one
-    version back, and the push of `model_dir` brings it to `version`.
-    """
-    if spec == "builtin":
-        return make_engine(spec, str(model_dir), policy_version=version), False
-    return make_engine(spec, str(model_dir), policy_version=version - 1), True
 
 
 def _push(
@@ -492,7 +423,7 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     else:
         trainer = Trainer(opts.model, opts.trainer, group_size=opts.group, demonstrations=demonstrations)
         model_dir = Path(opts.model)
-    engine, sync_first = _start_engine(opts.engine, model_dir, trainer.policy_version)
+    engine, sync_first = start_engine(opts.engine, model_dir, trainer.policy_version)
     gw_cfg = GatewayConfig(
         model=str(model_dir),
         engine=opts.engine,

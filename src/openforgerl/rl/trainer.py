@@ -572,7 +572,7 @@ class Trainer:
             adapter_dir=adapter_dir,
             warmup_steps=cfg.warmup_steps,
         )
-        self.actor_config = cfg.loss.actor_config(group_size)
+        self.actor_config = algos.actor_config(cfg.loss, group_size)
         self.reference: Any = None
         if cfg.loss.kl_coef > 0:
             self.reference = vision.load_model(reference_dir or model_dir)
