@@ -35,14 +35,14 @@ from openforgerl.tasks import (
     load_tasks,
     verify_local,
 )
+from openforgerl.tasks.judge import judge, parse_verdict
 from openforgerl.tasks.verify import GatewayAccess, VerifierUnavailable, run_python_verifier
-from openforgerl.web.judge import judge, parse_verdict
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
 FIXTURES = Path(__file__).parent / "fixtures" / "webbench"
 WEBVOYAGER = FIXTURES / "WebVoyager_data.jsonl"
 MIND2WEB = FIXTURES / "Online_Mind2Web.json"
-JUDGE = "openforgerl.web.judge:judge"
+JUDGE = "openforgerl.tasks.judge:judge"
 KEY_ENV = "TEST_JUDGE_KEY"
 TASK = (
     "Provide a recipe for vegetarian lasagna with more than 100 reviews and a rating of at least 4.5 stars."

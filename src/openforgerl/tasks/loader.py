@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from openforgerl.tasks.files import TaskError, jsonl_records
 from openforgerl.tasks.harbor import load_harbor, task_folders
 from openforgerl.tasks.schema import Split, Task
-from openforgerl.tasks.suites import CLAW_BASIC_DIR, tools_tiny, tools_tiny_reworded
+from openforgerl.tasks.suites import CLAW_BASIC_DIR, tools_tiny, tools_tiny_reworded, web_basic
 from openforgerl.tasks.webbench import FORMATS as BENCHMARK_FORMATS
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml", ".jsonl")
@@ -149,12 +149,4 @@ register_suite("tools-tiny", tools_tiny.generate)
 register_suite("tools-tiny-faults", lambda: tools_tiny.generate(faults=tools_tiny.FAULT_FRACTION))
 register_suite("tools-tiny-reworded", tools_tiny_reworded.generate)  # held-out only
 register_suite("claw-basic", lambda: load_task_file(CLAW_BASIC_DIR / "tasks.yaml"))
-
-
-def _web_basic() -> list[Task]:
-    from openforgerl.web import suite  # on use: it imports this module's schema in turn
-
-    return suite.generate()
-
-
-register_suite("web-basic", _web_basic)
+register_suite("web-basic", web_basic.generate)

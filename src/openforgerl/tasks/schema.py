@@ -49,7 +49,7 @@ Fields
         function that cannot be imported. Never use it to execute what the agent wrote: that belongs
         in a command verifier, inside the sandbox. A function with a ``gateway`` parameter also gets
         the gateway's URL, admin token and the scored rollout (``tasks.verify.GatewayAccess``), e.g.
-        to ask an LLM judge through an upstream (``openforgerl.web.judge:judge``).
+        to ask an LLM judge through an upstream (``openforgerl.tasks.judge:judge``).
 ``solution``
     The reference solution, ``{command: ..., files: ..., at: ..., env: {...}, timeout: 600}``: the
     command runs with ``sh -c`` in the work directory; ``files`` (a folder or inline) are put at

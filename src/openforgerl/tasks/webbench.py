@@ -2,7 +2,7 @@
 
 `load_tasks("webvoyager:PATH")` and `load_tasks("online-mind2web:PATH")` give one `Task` per
 record: the GUI harness (`harness: gui`) starting at the record's site
-(`harness_options.start_url`), split `test`, scored by the LLM judge `openforgerl.web.judge:judge`
+(`harness_options.start_url`), split `test`, scored by the LLM judge `openforgerl.tasks.judge:judge`
 (the tasks are on the live web: no state to check, only what the agent saw and answered). The
 original record is kept in `metadata.record`. They need the live web and a judge model behind the
 gateway's upstream mode:
@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from openforgerl.tasks.files import TaskError, json_document, jsonl_records
 from openforgerl.tasks.schema import Task
 
-JUDGE = "openforgerl.web.judge:judge"
+JUDGE = "openforgerl.tasks.judge:judge"
 HARNESS = "gui"
 DEFAULT_MAX_STEPS = 50
 MAX_STEPS_BY_LEVEL = {"easy": 15, "medium": 50, "hard": 100}

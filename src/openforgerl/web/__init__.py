@@ -1,4 +1,8 @@
-"""Small local web apps for GUI/browser agents, the web-basic task suite and its verifiers.
+"""Small local web apps for GUI/browser agents and the web-basic suite's verifiers (`verify.py`).
+
+The suite's tasks are drawn in `tasks/suites/web_basic.py`; the LLM judge of live web benchmarks is
+`tasks/judge.py`. Nothing here imports `openforgerl.tasks`: the sites run inside a sandbox, which
+sees only them (`harnesses/launch.py` SANDBOX_MODULES).
 
 Four sites, each a Starlette app with server-rendered HTML and plain forms, sized for a 640x480
 screenshot (large controls, high contrast: a small vision model has to read them):

@@ -1,5 +1,5 @@
-"""Built-in task suites: `tools_tiny` and `tools_tiny_reworded` (generated) and `claw_basic` (data
-files in its folder)."""
+"""Built-in task suites: `tools_tiny`, `tools_tiny_reworded` and `web_basic` (generated; web-basic's
+tasks run on the local sites of `openforgerl.web`) and `claw_basic` (data files in its folder)."""
 
 from pathlib import Path
 

@@ -1,6 +1,6 @@
 """An LLM judge for web tasks (WebVoyager / WebJudge style): did the agent do what was asked?
 
-The verifier `openforgerl.web.judge:judge` reads what the GUI harness left in the work directory
+The verifier `openforgerl.tasks.judge:judge` reads what the GUI harness left in the work directory
 (`.openforge/gui/result.json`: `{"answer", "steps", "stopped", "url"}`, and the screenshots
 `.openforge/gui/step-NNN.png`), shows a judge model the task, the agent's final answer and the last
 K screenshots, and asks for a verdict: SUCCESS (reward 1) or NOT SUCCESS (reward 0).
