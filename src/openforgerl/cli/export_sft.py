@@ -1,58 +1,66 @@
-"""`openforge export-sft`: recorded conversations as chat rows for SFT."""
+"""`openforge export-sft`: recorded conversations as chat rows for SFT. `selection` and `export` are
+what every export of recorded rollouts shares (export-atif too): which rollouts, and the store."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+F = Callable[..., Any]
 
-@click.command("export-sft")
-@click.option("--store", "store_path", required=True, type=click.Path(dir_okay=False, exists=True))
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSONL of chat rows.")
-@click.option("--run", "run_id", default=None, help="Only this run's rollouts.")
-@click.option("--min-reward", type=float, default=None, help="Only rollouts rewarded at least this.")
-@click.option(
-    "--status",
-    "statuses",
-    multiple=True,
-    default=("closed",),
-    show_default=True,
-    help="Rollout statuses to export (repeatable).",
-)
-@click.option("--include-side-requests", is_flag=True, help="Also titles, routers and other side calls.")
-def export_sft_cmd(
-    store_path: str,
-    out: str,
-    run_id: str | None,
-    min_reward: float | None,
-    statuses: tuple[str, ...],
-    include_side_requests: bool,
-) -> None:
-    """Recorded conversations (e.g. an upstream teacher's) as chat rows for `openforge sft --data`."""
-    import asyncio
 
-    from openforgerl.gateway.export import export_sft
+def selection(fn: F) -> F:
+    """The options that pick the recorded rollouts an export writes."""
+    options = [
+        click.option("--store", "store_path", required=True, type=click.Path(dir_okay=False, exists=True)),
+        click.option("--run", "run_id", default=None, help="Only this run's rollouts."),
+        click.option("--min-reward", type=float, default=None, help="Only rollouts rewarded at least this."),
+        click.option(
+            "--status",
+            "statuses",
+            multiple=True,
+            default=("closed",),
+            show_default=True,
+            help="Rollout statuses to export (repeatable).",
+        ),
+        click.option(
+            "--include-side-requests", is_flag=True, help="Also titles, routers and other side calls."
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def export(write: Callable[..., Any], what: str, store_path: str, out: str, **kw: Any) -> None:
+    """`write(store, Path(out), **kw)` on the store, then one line: how many `what` it wrote, from
+    how many rollouts, and what it left out."""
     from openforgerl.store import Store
 
-    async def export() -> Any:
+    async def run() -> Any:
         store = Store(store_path)
         try:
-            return await export_sft(
-                store,
-                Path(out),
-                run_id=run_id,
-                min_reward=min_reward,
-                statuses=statuses,
-                include_side_requests=include_side_requests,
-            )
+            return await write(store, Path(out), **kw)
         finally:
             await store.close()
 
-    counts = asyncio.run(export())
+    counts = asyncio.run(run())
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(counts.skipped.items()))
     click.echo(
-        f"{counts.rows} conversations from {counts.rollouts} rollouts in {out}"
+        f"{counts.rows} {what} from {counts.rollouts} rollouts in {out}"
         + (f"; left out: {skipped}" if skipped else "")
     )
+
+
+@click.command("export-sft")
+@selection
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="JSONL of chat rows.")
+def export_sft_cmd(store_path: str, out: str, **kw: Any) -> None:
+    """Recorded conversations (e.g. an upstream teacher's) as chat rows for `openforge sft --data`."""
+    from openforgerl.gateway.export import export_sft
+
+    export(export_sft, "conversations", store_path, out, **kw)
