@@ -97,7 +97,16 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
     rft_summary = out / "baselines" / "rft-data" / "summary.json"
     if not run and not rft_summary.exists():
         return {"rl_trained_tokens": tokens, "not run": list(BASELINES)}
-    t0 = time.monotonic()
+    # Each phase's wall time is kept beside its output, so a rerun that skips the phase reports it.
+    timings_file = out / "baselines" / "timings.json"
+    timed: dict[str, float] = json.loads(timings_file.read_text()) if timings_file.exists() else {}
+
+    def took(phase: str, t0: float) -> None:
+        timed[phase] = round(time.monotonic() - t0, 1)
+        timings_file.parent.mkdir(parents=True, exist_ok=True)
+        timings_file.write_text(json.dumps(timed, indent=2))
+
+    fresh, t0 = not rft_summary.exists(), time.monotonic()
     rft = rejection_sampling_data(
         sft_dir,
         out / "baselines" / "rft-data",
@@ -112,7 +121,8 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
         progress=False,
         harness=cfg.harness,
     )
-    seconds.setdefault("rft-rollouts", round(time.monotonic() - t0, 1))
+    if fresh:
+        took("rft-rollouts", t0)
     data["rft"] = list(rft)
     result: dict[str, Any] = {"rl_trained_tokens": tokens, "rft_data": rft.summary()}
     for name in BASELINES:
@@ -137,7 +147,7 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
                 progress=False,
             )
             summary_file.write_text(json.dumps(summary, indent=2))
-            seconds[f"baseline-{name}"] = round(time.monotonic() - t0, 1)
+            took(f"baseline-{name}", t0)
         summary = json.loads(summary_file.read_text())
         evals = {}
         for key, greedy in ((name, False), (f"{name}-greedy", True)):
@@ -145,7 +155,7 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
             if not report_file.exists():
                 t0 = time.monotonic()
                 demo.evaluate_model(cfg, model, key, greedy, demo.SUITE)
-                seconds[f"eval-{key}"] = round(time.monotonic() - t0, 1)
+                took(f"eval-{key}", t0)
             evals[key] = json.loads(report_file.read_text())
         all_evals = {**evals, **{k: _read_eval(out, k) for k in ("sft", "sft-greedy", "rl", "rl-greedy")}}
         result[name] = {
@@ -162,6 +172,7 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
                 "greedy pass@1": demo._paired_gain(all_evals, f"{name}-greedy", "rl-greedy"),
             },
         }
+    seconds.update(timed)
     return result
 
 
@@ -245,7 +256,11 @@ def markdown(seeds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         "|---|---:|---:|",
     ]
     for stage in ("before", "sft", *BASELINES, "rl", "sft-reworded", "rl-reworded"):
-        cells = [summary.get(f"{m}/{stage}") for m in ("pass@1", "greedy_pass@1")]
+        # The demo's models are keyed "pass@1/sft", the baselines "sft-more/pass@1".
+        cells = [
+            summary.get(f"{m}/{stage}") or summary.get(f"{stage}/{m.replace('_', ' ')}")
+            for m in ("pass@1", "greedy_pass@1")
+        ]
         if any(cells):
             lines.append(f"| {stage} | {_ci(cells[0])} | {_ci(cells[1])} |")
     lines += ["", "| difference, points | pass@1 | greedy pass@1 |", "|---|---:|---:|"]
