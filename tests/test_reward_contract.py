@@ -167,6 +167,24 @@ def shell(*commands: str) -> Any:
     return launch
 
 
+def run_one(gw: Any, tmp_path: Path, task: Task, **cfg: Any) -> Any:
+    """`task` run once by a runner on the local backend against `gw`, its harness doing nothing."""
+    runner = Runner(
+        RunnerConfig(gw.url, gw.gateway.admin_token, "test", tmp_path / "runner.db", **cfg),
+        LocalBackend(),
+        shell("true"),
+    )
+
+    async def go() -> Any:
+        try:
+            return await runner.run([task])
+        finally:
+            await runner.close()
+
+    [r] = asyncio.run(go())
+    return r
+
+
 def test_a_verifiers_details_are_bounded_and_say_they_were_cut(tiny_model_dir: Path, tmp_path: Path) -> None:
     # 20 MB in one field of reward.json (what the agent's program printed, say), beside small ones.
     huge = "x" * 20_000_000
@@ -181,16 +199,7 @@ def test_a_verifiers_details_are_bounded_and_say_they_were_cut(tiny_model_dir: P
         verifier=CommandVerifier(command=write, reward_files=["/logs/verifier/r.json"]),
     )
     with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
-        cfg = RunnerConfig(gw.url, gw.gateway.admin_token, "test", tmp_path / "runner.db")
-        runner = Runner(cfg, LocalBackend(), shell("true"))
-
-        async def go() -> Any:
-            try:
-                return await runner.run([task])
-            finally:
-                await runner.close()
-
-        [r] = asyncio.run(go())
+        r = run_one(gw, tmp_path, task)
     stored = RunState(tmp_path / "runner.db").load()["big#0"].details["verifier"]
     assert r.reward == 1.0 and len(json.dumps(stored)) < DETAILS_LIMIT + 1000
     assert stored["passed"] == 3 and stored["reward_file"] == "/logs/verifier/r.json"
@@ -303,16 +312,7 @@ def test_a_gateway_row_says_closed_for_a_scored_verifier_error(tiny_model_dir: P
     """A verifier error is a scored rollout: its gateway rollout is closed with the reward 0."""
     task = one_copy_task(verifier=CommandVerifier(command="exit 2"))
     with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
-        cfg = RunnerConfig(gw.url, gw.gateway.admin_token, "test", tmp_path / "runner.db")
-        runner = Runner(cfg, LocalBackend(), shell("true"))
-
-        async def go() -> Any:
-            try:
-                return await runner.run([task])
-            finally:
-                await runner.close()
-
-        [r] = asyncio.run(go())
+        r = run_one(gw, tmp_path, task)
         row = httpx.get(f"{gw.url}/admin/rollouts/{r.gateway_rollout_id}", headers=gw.admin_headers).json()
     assert (r.status, r.reward, r.outcome, r.attempts) == (Status.DONE, 0.0, "verifier_error", 1)
     assert (row["status"], row["reward"]) == ("closed", 0.0)
@@ -322,15 +322,6 @@ def test_a_verifier_that_cannot_be_loaded_is_infrastructure(tiny_model_dir: Path
     """The task's own code, not the agent's state: retried, then infra_failed, never a 0."""
     task = one_copy_task(verifier=PythonVerifier(python="no_such_module:check"))
     with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
-        cfg = RunnerConfig(gw.url, gw.gateway.admin_token, "test", tmp_path / "runner.db", infra_retries=1)
-        runner = Runner(cfg, LocalBackend(), shell("true"))
-
-        async def go() -> Any:
-            try:
-                return await runner.run([task])
-            finally:
-                await runner.close()
-
-        [r] = asyncio.run(go())
+        r = run_one(gw, tmp_path, task, infra_retries=1)
     assert (r.status, r.reward, r.attempts) == (Status.INFRA_FAILED, None, 2)
     assert all("cannot be loaded" in e and "no_such_module" in e for e in r.details["infra_errors"])
