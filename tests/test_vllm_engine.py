@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -107,7 +108,7 @@ class Stream:
 @dataclass
 class Mock:
     """A scripted vLLM: `answers[path]` is (status, json body[, headers]), a Stream, or a callable
-    of the Seen request returning one of those."""
+    of the Seen request returning (or awaiting) one of those."""
 
     answers: dict[str, Any]
     seen: list[Seen]
@@ -118,6 +119,8 @@ class Mock:
         answer = self.answers.get(request.path)
         if callable(answer):
             answer = answer(seen)
+        if inspect.isawaitable(answer):
+            answer = await answer
         if answer is None:
             return web.json_response({"detail": "Not Found"}, status=404)
         if isinstance(answer, Stream):
@@ -401,6 +404,38 @@ def test_load_weights_calls(tmp_path: Path) -> None:
         "method": "reload_weights",
         "kwargs": {"weights_path": str(tmp_path)},
     }
+
+
+def test_a_generation_that_ends_during_the_cache_reset_ends_on_the_updates_version(tmp_path: Path) -> None:
+    """The weights are swapped before the prefix cache is reset: a generation that ends during the
+    reset ended on the update's version, not one past it (CI once saw 12 for an update to 11)."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    resetting, generated = asyncio.Event(), asyncio.Event()
+
+    async def completion(seen: Seen) -> tuple[int, dict[str, Any]]:
+        await resetting.wait()
+        return choice([5])
+
+    async def reset(seen: Seen) -> tuple[int, dict[str, Any]]:
+        resetting.set()
+        await generated.wait()
+        return 200, {"success": True}
+
+    async def go(eng: VLLMEngine) -> tuple[GenerateResult, int]:
+        generation = asyncio.create_task(eng.generate([1], SamplingParams(max_tokens=1)))
+        reload = asyncio.create_task(eng.load_weights(str(tmp_path)))
+        result = await generation
+        generated.set()
+        return result, await reload
+
+    answers = {
+        "/v1/completions": completion,
+        "/collective_rpc": (200, {"results": [None]}),
+        "/reset_prefix_cache": reset,
+    }
+    (result, version), _ = mocked(answers, go)
+    assert version == 1
+    assert (result.policy_version, result.extra.get("policy_version_end")) == (0, 1)
 
 
 def test_tied_head_view(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -413,8 +413,13 @@ class HTTPEngine:
             self._reloading += 1
             try:
                 await self._update_weights(path)
-                self._version += 1
-                await self._after_update()
+                try:
+                    await self._after_update()
+                finally:
+                    # The weights changed, whether or not the clean-up worked. The bump and the end of
+                    # the reload happen together (no await between them): a generation that ends
+                    # between them would count the update twice (`policy_version_end`).
+                    self._version += 1
             finally:
                 self._reloading -= 1
         return self._version
@@ -424,4 +429,4 @@ class HTTPEngine:
         raise NotImplementedError
 
     async def _after_update(self) -> None:
-        """What follows a successful update, at the new version (e.g. dropping stale KV)."""
+        """What follows a successful update, before its version counts (e.g. dropping stale KV)."""

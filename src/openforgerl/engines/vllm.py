@@ -401,7 +401,8 @@ class VLLMEngine(HTTPEngine):
                 return
             await asyncio.sleep(0.25)
         raise EngineError(
-            f"vLLM reloaded weights (policy version {self._version}) but refused to reset its prefix cache"
+            f"vLLM reloaded weights (policy version {self._version + 1}) "
+            "but refused to reset its prefix cache"
         )
 
     async def close(self) -> None:
