@@ -1028,3 +1028,129 @@ def test_one_temperature_for_the_rollouts_and_the_trainers_logprobs(tmp_path: Pa
         train_cmd, ["--model", "m", "--out", str(tmp_path / "r"), "--temperature", "0"]
     )
     assert result.exit_code != 0 and "--temperature" in result.output
+
+
+def _train_cli(args: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[TrainOptions]]:
+    """`openforge train ARGS` with the training itself replaced: the options it would train with."""
+    from click.testing import CliRunner
+
+    from openforgerl.cli.train import train_cmd
+
+    seen: list[TrainOptions] = []
+
+    def fake_train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
+        seen.append(opts)
+        return {"steps": opts.steps, "policy_version": 0, "checkpoint": "-", "metrics": "-"}
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    return CliRunner().invoke(train_cmd, args), seen
+
+
+def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    base = ["--out", str(run)]
+    result, (opts,) = _train_cli([*base, "--model", "m", "--temperature", "0.7", "--lr", "1e-3"], monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert opts.temperature == opts.trainer.temperature == 0.7 and opts.trainer.lr == 1e-3
+    saved = opts.to_json()
+    assert saved["temperature"] == 0.7 and "temperature" not in saved["trainer"]  # one place in run.json
+    run.mkdir()
+    (run / loop.RUN_FILE).write_text(json.dumps(saved))
+
+    # --resume: run.json's settings; an option given again changes one, on both sides, and is said.
+    result, (resumed,) = _train_cli([*base, "--resume"], monkeypatch)
+    assert result.exit_code == 0 and resumed.trainer.temperature == 0.7 and resumed.trainer.lr == 1e-3
+    result, (resumed,) = _train_cli([*base, "--resume", "--temperature", "0.9"], monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert resumed.temperature == resumed.trainer.temperature == 0.9
+    assert "resumed with temperature = 0.9 (was 0.7)" in result.output
+    assert resumed.trainer.lr == 1e-3 and resumed.model == "m"  # the rest is the run's
+
+    # A run.json whose trainer names another temperature than the rollouts' is refused, plainly.
+    (run / loop.RUN_FILE).write_text(
+        json.dumps({**saved, "trainer": {**saved["trainer"], "temperature": 1.0}})
+    )
+    result, seen = _train_cli([*base, "--resume"], monkeypatch)
+    assert result.exit_code != 0 and not seen
+    assert "trainer.temperature 1 is not the run's temperature 0.7" in result.output
+    # One that repeats the run's (as run.json did before it was left out) is the same run.
+    (run / loop.RUN_FILE).write_text(
+        json.dumps({**saved, "trainer": {**saved["trainer"], "temperature": 0.7}})
+    )
+    result, (resumed,) = _train_cli([*base, "--resume", "--temperature", "0.8"], monkeypatch)
+    assert result.exit_code == 0 and resumed.trainer.temperature == 0.8
+
+
+def test_train_set_reaches_every_setting_of_run_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from openforgerl.rl.config import setting_keys
+
+    keys = setting_keys()
+    assert "trainer.temperature" not in keys and "model" not in keys
+    assert {"split", "max_context", "on_failure", "keep_checkpoints", "trainer.weight_decay"} <= set(keys)
+    assert {
+        "trainer.betas",
+        "trainer.loss.loss_agg_mode",
+        "trainer.loss.kl_type",
+        "trainer.tuning.lora_rank",
+    } <= set(keys)
+    sets = [
+        "trainer.weight_decay=0.01",
+        "trainer.betas=[0.9, 0.95]",
+        "trainer.measure_update=false",
+        "trainer.loss.loss_agg_mode=seq-mean-token-mean",
+        "trainer.loss.tis=none",
+        "max_context=none",
+        "eval_split=test",
+        "keep_checkpoints=3",
+    ]
+    args = ["--model", "m", "--out", str(tmp_path / "r")]
+    result, (opts,) = _train_cli([*args, *(x for s in sets for x in ("--set", s))], monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert opts.trainer.weight_decay == 0.01 and opts.trainer.betas == (0.9, 0.95)
+    assert opts.trainer.measure_update is False and opts.trainer.loss.tis is None
+    assert opts.trainer.loss.loss_agg_mode == "seq-mean-token-mean"
+    assert opts.max_context is None and opts.eval_split == "test" and opts.keep_checkpoints == 3
+    for bad, said in [
+        ("trainer.temperature=0.5", "--temperature"),
+        ("nope=1", "no setting of a run"),
+        ("trainer.lr=fast", "trainer.lr=fast: not float"),
+        ("trainer.loss.loss_agg_mode=mean", "loss_agg_mode must be one of"),
+        ("model=x", "--model"),
+    ]:
+        result, seen = _train_cli([*args, "--set", bad], monkeypatch)
+        assert result.exit_code != 0 and said in result.output and not seen, (bad, result.output)
+
+
+def test_train_temperature_drives_the_rollouts_sampling_and_the_trainers_logprobs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A real run: every call of step 1 sampled at --temperature, and the trainer's logprobs of those
+    tokens agree with the engine's (no KL between them, importance weights 1); resumed with another
+    temperature, step 2 the same at the new one."""
+    from click.testing import CliRunner
+
+    from openforgerl.cli.train import train_cmd
+
+    run = tmp_path / "run"
+    args = ["--out", str(run), "--group", "2", "--batch-tasks", "1", "--max-tokens", "8", "--max-turns", "1"]
+    args += ["--concurrency", "2", "--keep-zero-variance", "--skip-tasks", "995", "--lr", "1e-3"]
+    for extra in (
+        ["--model", str(tiny_model_dir), "--steps", "1", "--temperature", "0.7"],
+        ["--resume", "--steps", "2", "--temperature", "1.3"],
+    ):
+        result = CliRunner().invoke(train_cmd, [*args, *extra], env={"TQDM_DISABLE": "1"})
+        assert result.exit_code == 0, result.output
+    assert json.loads((run / loop.RUN_FILE).read_text())["temperature"] == 1.3
+    with sqlite3.connect(run / "gateway.db") as db:
+        used = db.execute(
+            "SELECT r.run_id, c.sampling_used FROM calls c JOIN rollouts r ON r.id = c.rollout_id"
+        ).fetchall()
+    temps = {(run_id, json.loads(s)["temperature"]) for run_id, s in used}
+    assert temps == {("run-step1", 0.7), ("run-step2", 1.3)}
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if m["step"] > 0]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["updated"] for m in steps)
+    for m in steps:  # at another temperature than the engine's these are far off (KL ~0.1 nats)
+        assert m["kl_behaviour"] < 1e-3 and m["is_weight_mean"] == pytest.approx(1.0, abs=1e-2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,9 @@ from openforgerl.cli.options import (
     backend_choice,
     one_harness,
     sandbox_options,
-    tuning,
     tuning_options,
 )
-from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions
+from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions, set_setting, setting_keys
 from openforgerl.rl.headroom import CHECK_TASKS
 
 
@@ -35,7 +36,8 @@ from openforgerl.rl.headroom import CHECK_TASKS
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue the run in --out from its last checkpoint, with its options (--steps may extend).",
+    help="Continue the run in --out from its last checkpoint, with its settings (run.json); an "
+    "option given again, or --set, changes that setting (--steps may extend).",
 )
 @click.option(
     "--steps", type=int, default=None, help=f"Train until this step.  [default: {TrainOptions.steps}]"
@@ -224,6 +226,15 @@ from openforgerl.rl.headroom import CHECK_TASKS
     "steps ahead rollouts run.  "
     f"[default: {TrainOptions.max_lag}; --resume may change it]",
 )
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="PATH=VALUE",
+    help="Any other setting of the run, by its path in run.json (repeatable): "
+    + ", ".join(k for k in setting_keys() if "." in k or k in ("split", "max_context", "on_failure"))
+    + ", ... With --resume it changes the run's, as the options above given again do.",
+)
 @sandbox_options(
     "verl",
     help_more=" verl: veRL's trainer (Ray, GPUs) with CONFIG and Hydra overrides; the options above "
@@ -257,74 +268,15 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
         )
     if out is None:
         raise click.BadParameter("give the run folder", param_hint="--out")
-    from openforgerl.rl.loop import load_options, train
+    from openforgerl.rl.loop import train
 
     check = kw.pop("check")
     if check and resume:
         raise click.UsageError("--check measures a starting model: it does not go with --resume")
-    sandboxes = backend_choice(kw, backend)
-    if resume:
-        opts = load_options(Path(out))
-        if steps is not None:
-            opts.steps = steps
-        if kw["overlap"] is not None:
-            opts.overlap = kw["overlap"]
-        if kw["max_lag"] is not None:
-            opts.max_lag = kw["max_lag"]
-        if kw["engine"] is not None:
-            opts.engine = kw["engine"]
-    else:
-        if model_dir is None:
-            raise click.BadParameter("give the starting model directory", param_hint="--model")
-        opts = TrainOptions(
-            model=model_dir,
-            out=Path(out),
-            tasks=kw["tasks"],
-            skip_tasks=kw["skip_tasks"],
-            steps=TrainOptions.steps if steps is None else steps,
-            group=kw["group"],
-            batch_tasks=kw["batch_tasks"],
-            max_tokens=kw["max_tokens"],
-            max_turns=kw["max_turns"],
-            harness=kw["harness"],
-            max_steps=kw["max_steps"],
-            concurrency=kw["concurrency"],
-            on_timeout=kw["on_timeout"],
-            temperature=kw["temperature"],
-            seed=kw["seed"],
-            eval_every=kw["eval_every"],
-            eval_limit=kw["eval_limit"],
-            overlap=TrainOptions.overlap if kw["overlap"] is None else kw["overlap"],
-            max_lag=TrainOptions.max_lag if kw["max_lag"] is None else kw["max_lag"],
-            engine=kw["engine"] or TrainOptions.engine,
-            ptx_data=str(Path(kw["ptx_data"]).resolve()) if kw["ptx_data"] else None,
-            max_gen_batches=kw["max_gen_batches"],
-            headroom_tasks=kw["headroom_tasks"],
-            headroom_k=kw["headroom_k"],
-            backend=sandboxes,
-            trainer=TrainerConfig(
-                lr=kw["lr"],
-                warmup_steps=kw["warmup_steps"],
-                estimator=kw["algo"],
-                mini_batches=kw["mini_batches"],
-                ppo_epochs=kw["ppo_epochs"],
-                ptx_coef=kw["ptx_coef"],
-                ptx_batch=kw["ptx_batch"],
-                micro_batch_tokens=kw["micro_batch_tokens"],
-                drop_zero_variance=not kw["keep_zero_variance"],
-                seed=kw["seed"],
-                device=kw["device"],
-                tuning=tuning(kw),
-                loss=LossConfig(
-                    loss=kw["loss"],
-                    kl_coef=kw["kl_coef"],
-                    clip_ratio_low=kw["clip_low"],
-                    clip_ratio_high=kw["clip_high"],
-                    tis=None if kw["tis"] == "none" else kw["tis"],
-                    tis_threshold=kw["tis_threshold"],
-                ),
-            ),
-        )
+    try:
+        opts = _options(model_dir, Path(out), resume, steps, backend, kw)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
     from openforgerl.engines.base import EngineError
     from openforgerl.harnesses.launch import HarnessNotInstalled
 
@@ -339,6 +291,126 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
         f"{summary['steps']} steps, policy version {summary['policy_version']}; "
         f"checkpoint {summary['checkpoint']}; metrics {summary['metrics']}"
     )
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+# Each option of `openforge train` that sets one of run.json's settings: its path there, and how the
+# option's value becomes the setting's. The rest of the settings: --set PATH=VALUE.
+_SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    **{
+        name: (name, _same)
+        for name in (
+            "tasks",
+            "skip_tasks",
+            "group",
+            "batch_tasks",
+            "temperature",
+            "max_gen_batches",
+            "headroom_tasks",
+            "headroom_k",
+            "max_tokens",
+            "max_turns",
+            "harness",
+            "max_steps",
+            "on_timeout",
+            "concurrency",
+            "seed",
+            "eval_every",
+            "eval_limit",
+            "engine",
+            "overlap",
+            "max_lag",
+        )
+    },
+    "ptx_data": ("ptx_data", lambda v: str(Path(v).resolve()) if v else None),
+    **{
+        name: (f"trainer.{name}", _same)
+        for name in ("lr", "warmup_steps", "mini_batches", "ppo_epochs", "ptx_coef", "ptx_batch", "device")
+    },
+    "micro_batch_tokens": ("trainer.micro_batch_tokens", _same),
+    "algo": ("trainer.estimator", _same),
+    "keep_zero_variance": ("trainer.drop_zero_variance", lambda v: not v),
+    **{
+        name: (f"trainer.tuning.{name}", _same)
+        for name in ("lora_rank", "lora_alpha", "gradient_checkpointing")
+    },
+    "loss": ("trainer.loss.loss", _same),
+    "kl_coef": ("trainer.loss.kl_coef", _same),
+    "clip_low": ("trainer.loss.clip_ratio_low", _same),
+    "clip_high": ("trainer.loss.clip_ratio_high", _same),
+    "tis": ("trainer.loss.tis", lambda v: None if v == "none" else v),
+    "tis_threshold": ("trainer.loss.tis_threshold", _same),
+}
+# Options whose None means "not given": the default, or on --resume the run's.
+_UNSET_IS_NONE = ("steps", "engine", "overlap", "max_lag")
+_BACKEND = ("image", "docker_host", "backend_config")
+
+
+def _options(
+    model_dir: str | None, out: Path, resume: bool, steps: int | None, backend: str, kw: dict[str, Any]
+) -> TrainOptions:
+    """The run's settings. A fresh run: the defaults, every option above, then --set. With
+    --resume: run.json's, then the options given on this command line and --set (each change said)."""
+    from openforgerl.rl.loop import load_settings
+
+    ctx = click.get_current_context()
+    given = {
+        name
+        for name in ctx.params
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    }
+    values = {**kw, "steps": steps}
+    sets = values.pop("settings")
+    if resume:
+        d = load_settings(out)
+        if model_dir is not None and model_dir != d["model"]:
+            raise ValueError(f"--model: the run in {out} started from {d['model']}; a resumed run keeps it")
+    else:
+        if model_dir is None:
+            raise click.BadParameter("give the starting model directory", param_hint="--model")
+        d = TrainOptions(model=model_dir, out=out).to_json()
+    before = copy.deepcopy(d)
+    choice = backend_choice(values, backend)  # pops the backend's options
+    if not resume or given & {"backend", *_BACKEND}:
+        d["backend"] = choice.to_json()
+    for name, (key, convert) in [*_SETTINGS.items(), ("steps", ("steps", _same))]:
+        value = values[name]
+        if (resume and name not in given) or (name in _UNSET_IS_NONE and value is None):
+            continue
+        _put(d, key, convert(value))
+        if name == "seed":
+            _put(d, "trainer.seed", value)  # the trainer's seed follows the run's
+    for item in sets:
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set {item}: give PATH=VALUE, e.g. trainer.weight_decay=0.01")
+        set_setting(d, key.strip(), text)
+    opts = TrainOptions.from_json(d)
+    if resume:
+        for key, (old, new) in _changes(before, opts.to_json()).items():
+            click.echo(f"resumed with {key} = {new!r} (was {old!r})", err=True)
+    return opts
+
+
+def _put(d: dict[str, Any], key: str, value: Any) -> None:
+    *path, name = key.split(".")
+    for part in path:
+        d = d[part]
+    d[name] = value
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    out: dict[str, tuple[Any, Any]] = {}
+    for key, value in new.items():
+        was = old.get(key)
+        if isinstance(value, dict) and isinstance(was, dict) and key != "settings":
+            out |= _changes(was, value, f"{prefix}{key}.")
+        elif was != value and not (isinstance(was, list) and tuple(was) == value):
+            out[prefix + key] = (was, value)
+    return out
 
 
 def _check(opts: TrainOptions) -> None:

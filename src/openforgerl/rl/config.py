@@ -5,9 +5,10 @@ or veRL. The modules that use them (algos, trainer, sft, loop) re-export them.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from openforgerl.sandbox.choice import BackendChoice
 
@@ -34,6 +35,12 @@ class LossConfig:
     tis_threshold: float = 2.0
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"  # veRL's ActorConfig for these: rl/algos.py actor_config
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in get_args(LossAggMode):
+            raise ValueError(f"loss_agg_mode must be one of {', '.join(get_args(LossAggMode))}")
+        if self.tis not in ("token", "sequence", None):
+            raise ValueError(f"tis must be 'token', 'sequence' or None, not {self.tis!r}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,9 @@ class TrainerConfig:
     norm_adv_by_std: bool = True
     drop_zero_variance: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
-    temperature: float = 1.0  # the rollouts' sampling temperature (TrainOptions sets it to the run's)
+    # The temperature of the logprobs: the rollouts' sampling temperature. In a run it is not a
+    # setting of its own: TrainOptions sets it to the run's `temperature`, and run.json leaves it out.
+    temperature: float = 1.0
     # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
     # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
     # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
@@ -179,14 +188,98 @@ class TrainOptions:
         self.trainer = dataclasses.replace(self.trainer, temperature=self.temperature)
 
     def to_json(self) -> dict[str, Any]:
+        """run.json: every setting once (the trainer's temperature is the run's, so left out)."""
         d = dataclasses.asdict(self)
         d["out"] = str(self.out)
+        del d["trainer"]["temperature"]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainOptions:
-        d = dict(d)
+        d = run_settings(d)
         d["out"] = Path(d["out"])
         d["trainer"] = TrainerConfig.from_dict(d["trainer"])
         d["backend"] = BackendChoice.from_json(d.get("backend"))  # a run from before --backend: local
         return cls(**d)
+
+
+def run_settings(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of run.json's settings with every value once: a `trainer.temperature` (run.json
+    written before it was left out) must be the run's `temperature`, and goes; another is refused,
+    since the trainer's logprobs take the rollouts' temperature."""
+    d = {**d, "trainer": dict(d.get("trainer", {}))}
+    trainer_t = d["trainer"].pop("temperature", None)
+    run_t = d.get("temperature", TrainOptions.temperature)
+    if trainer_t is not None and trainer_t != run_t:
+        raise ValueError(
+            f"run.json: trainer.temperature {trainer_t:g} is not the run's temperature {run_t:g}; the "
+            "trainer's logprobs take the rollouts' temperature: remove trainer.temperature and set "
+            "temperature alone (--temperature)"
+        )
+    return d
+
+
+# Settings that `set_setting` does not change: named by their own options, or derived.
+NOT_SET = {
+    "model": "--model",
+    "out": "--out",
+    "backend": "--backend, --image, --docker-host, --backend-config",
+    "trainer.temperature": "temperature (--temperature): the trainer's is the run's",
+}
+_NESTED: dict[str, type] = {"trainer": TrainerConfig, "loss": LossConfig, "tuning": Tuning}
+
+
+def setting_keys() -> list[str]:
+    """Every setting `set_setting` takes, by its dotted path in run.json."""
+
+    def keys(cls: type, prefix: str) -> list[str]:
+        out: list[str] = []
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            if f.name in _NESTED and f.type == _NESTED[f.name].__name__:
+                out += keys(_NESTED[f.name], key + ".")
+            elif key not in NOT_SET:
+                out.append(key)
+        return out
+
+    return keys(TrainOptions, "")
+
+
+def set_setting(d: dict[str, Any], key: str, text: str) -> None:
+    """Set the setting at dotted `key` (`trainer.loss.clip_ratio_c`) of run.json's `d` from `text`,
+    read as its field's type (a number, true/false, none where the field may be None, a JSON list
+    for a tuple). The TrainOptions made from `d` checks the value further."""
+    if key in NOT_SET or key.split(".")[0] in NOT_SET:
+        raise ValueError(f"{key} is not set this way: use {NOT_SET.get(key) or NOT_SET[key.split('.')[0]]}")
+    if key not in setting_keys():
+        raise ValueError(f"{key} is no setting of a run; the settings: {', '.join(setting_keys())}")
+    *path, name = key.split(".")
+    cls: type = TrainOptions
+    for part in path:
+        cls = _NESTED[part]
+        d = d.setdefault(part, {})
+    kind = str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
+    d[name] = _read(kind, text, key)
+
+
+def _read(kind: str, text: str, key: str) -> Any:
+    low = text.strip().lower()
+    if "None" in kind and low in ("none", "null"):
+        return None
+    try:
+        if kind.startswith("bool"):
+            if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError("true or false")
+            return low in ("true", "1", "yes", "on")
+        if kind.startswith("tuple"):
+            items = json.loads(text)
+            if not isinstance(items, list) or not all(isinstance(x, int | float) for x in items):
+                raise ValueError("a JSON list of numbers")
+            return [float(x) for x in items]
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+    except ValueError as exc:
+        raise ValueError(f"{key}={text}: not {kind} ({exc})") from exc
+    return text

@@ -96,6 +96,7 @@ from openforgerl.engines.base import Engine
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.rl import headroom
 from openforgerl.rl.config import TrainOptions as TrainOptions
+from openforgerl.rl.config import run_settings
 from openforgerl.rl.runs import harness_choice, run_tasks, start_engine, step_tasks, training_tasks
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
@@ -108,11 +109,16 @@ from openforgerl.tasks import Task, load_tasks
 RUN_FILE = "run.json"
 
 
-def load_options(run_dir: Path) -> TrainOptions:
+def load_settings(run_dir: Path) -> dict[str, Any]:
+    """run.json's settings, each once (`run_settings`)."""
     path = run_dir / RUN_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run to resume ({RUN_FILE} is missing)")
-    return TrainOptions.from_json(json.loads(path.read_text()))
+    return run_settings(json.loads(path.read_text()))
+
+
+def load_options(run_dir: Path) -> TrainOptions:
+    return TrainOptions.from_json(load_settings(run_dir))
 
 
 def ptx_demonstrations(opts: TrainOptions) -> list[Sample]:
