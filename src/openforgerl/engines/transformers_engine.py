@@ -26,9 +26,10 @@ together, padded, peaked at 4.7 GB (`benchmarks/long_context.py`). Those prefill
 cache in chunks of about `prefill_chunk_tokens` tokens across the rows (2048 x 32k positions:
 330 MB), which changes results only by float rounding.
 
-Seeded requests sample with their own torch.Generator, so their draws do not depend on batch mates.
-Batched float arithmetic can still differ from a solo run in the last bits of the logits; a sample
-whose uniform draw lands within that distance of a boundary could flip, which in practice is never.
+The parts, each in its own module: the running batch, its requests and the edits of its KV cache
+(`transformers_batch.py`), the sampler and the end of a completion (`transformers_sampler.py`),
+a checkpoint read and checked for a weight swap (`transformers_weights.py`), the prefix cache
+(`prefix_cache.py`). This module is the scheduler: the queue, the worker's loop and the prefills.
 """
 
 from __future__ import annotations
@@ -38,13 +39,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoTokenizer,
@@ -64,6 +63,19 @@ from openforgerl.engines.base import (
     completion_room,
 )
 from openforgerl.engines.prefix_cache import KV, PrefixCache
+from openforgerl.engines.transformers_batch import (
+    Batch,
+    Request,
+    Swap,
+    deliver,
+    merge,
+    pad_left,
+    row_kv,
+    select,
+    stream,
+)
+from openforgerl.engines.transformers_sampler import end_of, sample
+from openforgerl.engines.transformers_weights import validated_state
 from openforgerl.images import Image
 from openforgerl.rendering import generation_eos_ids
 from openforgerl.vision import (
@@ -72,7 +84,6 @@ from openforgerl.vision import (
     is_vision_model,
     load_model,
     load_processor,
-    mask_unsampleable,
     rope_positions,
     unsampleable_token_ids,
 )
@@ -81,117 +92,6 @@ from openforgerl.vision import (
 # MIN_PREFILL_CHUNK of its own, so a wide batch does not take hundreds of passes).
 PREFILL_CHUNK_TOKENS = 2048
 MIN_PREFILL_CHUNK = 256
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    # sampling.max_tokens clamped to the room left in the context.
-    max_tokens: int
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[GenerateResult]
-    generator: torch.Generator | None
-    # A VLM request's pixel inputs (pixel_values, image_grid_thw), on the CPU until prefill.
-    vision: dict[str, torch.Tensor] | None = None
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    # The caller's token sink (a streamed answer): each sampled id, on the caller's loop.
-    on_tokens: TokenSink | None = None
-    done: bool = False
-    # Set from the event loop when the caller is cancelled; read by the worker at the next step.
-    cancelled: bool = False
-
-
-@dataclass(slots=True)
-class _Batch:
-    rows: list[_Request]
-    cache: DynamicCache
-    # (B, L): 1 where the cache holds a real token, 0 for left padding; L is the cache length.
-    mask: torch.Tensor
-    # (B,): the ids sampled last step (not in the cache yet) and their positions (for a VLM the text
-    # position, which is the token index plus the row's rope delta).
-    next_ids: torch.Tensor
-    next_pos: torch.Tensor
-
-
-@dataclass(slots=True)
-class _Swap:
-    state: dict[str, torch.Tensor]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[int]
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: object) -> None:
-    """Resolve `future` on its own loop from the worker thread; exceptions are set, not returned."""
-
-    def resolve() -> None:
-        if future.done():  # the awaiting task was cancelled
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-        pass
-
-
-def _stream(loop: asyncio.AbstractEventLoop, sink: TokenSink, token: int) -> None:
-    try:
-        loop.call_soon_threadsafe(sink, (token,))
-    except RuntimeError:  # the caller's loop is closed
-        pass
-
-
-def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    # F.pad lists (left, right) pairs starting from the last dimension.
-    pads = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [n, 0]
-    return F.pad(t, pads)
-
-
-def _kv_layers(cache: DynamicCache) -> list[Any]:
-    """The cache's layers, for editing their `keys`/`values` tensors (only done when all are DynamicLayer)."""
-    return list(cache.layers)
-
-
-def _checkpoint_names_to_model(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    """Rename checkpoint tensors to the model's parameter names.
-
-    save_pretrained writes some models (Qwen2-VL: `model.layers.*`, `visual.*`) under the names of an
-    older layout than their modules' (`model.language_model.layers.*`, `model.visual.*`);
-    from_pretrained renames them on load with the model's registered renamings, and so does this.
-    """
-    params = model.state_dict()
-    if all(k in params for k in state):
-        return state
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    out = {}
-    for key, tensor in state.items():
-        name = key
-        for renaming in renamings:
-            if name in params:
-                break
-            name, _ = renaming.rename_source_key(name)
-        out[name] = tensor
-    return out
-
-
-def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"no *.safetensors files in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 class TransformersEngine:
@@ -270,9 +170,9 @@ class TransformersEngine:
         self._causal_kernel = False
         self._version = policy_version  # a resumed run's engine starts at its checkpoint's version
         self._cond = threading.Condition()
-        self._pending: deque[_Request] = deque()
+        self._pending: deque[Request] = deque()
         # Weight swaps waiting for the running batch to drain, applied in order.
-        self._swaps: deque[_Swap] = deque()
+        self._swaps: deque[Swap] = deque()
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -353,7 +253,7 @@ class TransformersEngine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         loop = asyncio.get_running_loop()
-        req = _Request(
+        req = Request(
             prompt_ids=list(prompt_ids),
             sampling=sampling,
             max_tokens=max_tokens,
@@ -396,9 +296,9 @@ class TransformersEngine:
         tokens come from one policy version.
         """
         self._check_running()
-        state = await asyncio.to_thread(self._validated_state, path)
+        state = await asyncio.to_thread(validated_state, path, self._model)
         loop = asyncio.get_running_loop()
-        swap = _Swap(state=state, loop=loop, future=loop.create_future())
+        swap = Swap(state=state, loop=loop, future=loop.create_future())
         with self._cond:
             if self._closing:
                 raise EngineUnavailable("transformers engine is closing")
@@ -406,29 +306,10 @@ class TransformersEngine:
             self._cond.notify()
         return await swap.future
 
-    def _validated_state(self, path: str) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors, checked against the model so a swap never half-applies."""
-        state = _checkpoint_names_to_model(_read_state_dict(path), self._model)
-        params = self._model.state_dict()
-        unexpected = sorted(set(state) - set(params))
-        if unexpected:
-            raise EngineError(f"checkpoint {path} has tensors the model lacks: {unexpected[:5]}")
-        # Tied weights (e.g. lm_head = embed_tokens) are saved once; they share storage in the model.
-        loaded_ptrs = {params[k].data_ptr() for k in state}
-        missing = sorted(k for k in set(params) - set(state) if params[k].data_ptr() not in loaded_ptrs)
-        if missing:
-            raise EngineError(f"checkpoint {path} lacks tensors: {missing[:5]}")
-        for k, t in state.items():
-            if t.shape != params[k].shape:
-                raise EngineError(
-                    f"checkpoint {path}: {k} has shape {tuple(t.shape)}, want {params[k].shape}"
-                )
-        return state
-
     # ---- worker thread -------------------------------------------------------------------------
 
     def _worker(self) -> None:
-        batch: _Batch | None = None
+        batch: Batch | None = None
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -439,7 +320,7 @@ class TransformersEngine:
                     if self._closing:
                         break
                     swap = self._swaps.popleft() if batch is None and self._swaps else None
-                    admit: list[_Request] = []
+                    admit: list[Request] = []
                     if not self._swaps and swap is None and (batch is None or self._mergeable):
                         free = self.max_batch_size - (len(batch.rows) if batch else 0)
                         while self._pending and len(admit) < free:
@@ -454,14 +335,14 @@ class TransformersEngine:
                             batch = joined
                         elif joined is not None:
                             self.stats["joined"] += len(joined.rows)
-                            batch = self._merge(batch, joined)
+                            batch = merge(batch, joined)
                     if batch is not None:
                         batch = self._decode(batch)
                 except Exception as e:
                     rows = (batch.rows if batch else []) + admit
                     for row in {id(r): r for r in rows}.values():
                         if not row.done:
-                            _deliver(row.loop, row.future, EngineError(f"generation failed: {e!r}"))
+                            deliver(row.loop, row.future, EngineError(f"generation failed: {e!r}"))
                     batch = None
                     self.stats["running"] = 0
         self._abort_all(batch)
@@ -475,7 +356,7 @@ class TransformersEngine:
                 return
             self._cond.wait(left)
 
-    def _abort_all(self, batch: _Batch | None) -> None:
+    def _abort_all(self, batch: Batch | None) -> None:
         with self._cond:
             rows = (batch.rows if batch else []) + list(self._pending)
             self._pending.clear()
@@ -484,9 +365,9 @@ class TransformersEngine:
         for row in rows:
             self._finish(row, "abort", None)
         for swap in swaps:
-            _deliver(swap.loop, swap.future, EngineUnavailable("engine closed before the weights loaded"))
+            deliver(swap.loop, swap.future, EngineUnavailable("engine closed before the weights loaded"))
 
-    def _apply_swap(self, swap: _Swap) -> None:
+    def _apply_swap(self, swap: Swap) -> None:
         try:
             params = self._model.state_dict()
             for name, tensor in swap.state.items():
@@ -496,7 +377,7 @@ class TransformersEngine:
             result: object = self._version
         except Exception as e:
             result = EngineError(f"loading weights failed: {e!r}")
-        _deliver(swap.loop, swap.future, result)
+        deliver(swap.loop, swap.future, result)
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache, **vision: Any
@@ -536,7 +417,7 @@ class TransformersEngine:
             logits = self._forward(ids[:, start:end], mask[:, : past + end], pos[..., start:end], cache)
         return logits
 
-    def _prefill(self, reqs: list[_Request]) -> _Batch | None:
+    def _prefill(self, reqs: list[Request]) -> Batch | None:
         """Prefill the prompts of `reqs`, those opening with a cached prefix from its KV (only the
         rest runs), the others whole; returns them as one batch."""
         reqs = [r for r in reqs if not r.cancelled]
@@ -555,14 +436,14 @@ class TransformersEngine:
         whole = self._prefill_together(cold) if cold else None
         if cached is None or whole is None:
             return cached or whole
-        return self._merge(cached, whole)
+        return merge(cached, whole)
 
-    def _caches_prefixes(self, req: _Request) -> bool:
+    def _caches_prefixes(self, req: Request) -> bool:
         # Cached rows join by merging caches, as continuous batching does; a VLM's M-RoPE positions
         # depend on the images, so its prompts always run whole.
         return self.prefix_cache.max_bytes > 0 and self._mergeable and req.vision is None
 
-    def _prefill_cached(self, hits: list[tuple[_Request, int, KV]]) -> _Batch | None:
+    def _prefill_cached(self, hits: list[tuple[Request, int, KV]]) -> Batch | None:
         """Prefill prompts whose first `cached` tokens' KV the prefix cache gave, in one pass over
         the rest of each. Row i's cache is [padding | its cached KV], its input [padding | the rest],
         so the mask has a hole between the two where the lengths differ."""
@@ -571,8 +452,8 @@ class TransformersEngine:
         span = max(map(len, rest))
         cache = DynamicCache(config=self._model.config)
         for layer in range(len(hits[0][2])):
-            keys = torch.cat([_pad_left(kv[layer][0], width - c, -2) for _, c, kv in hits])
-            values = torch.cat([_pad_left(kv[layer][1], width - c, -2) for _, c, kv in hits])
+            keys = torch.cat([pad_left(kv[layer][0], width - c, -2) for _, c, kv in hits])
+            values = torch.cat([pad_left(kv[layer][1], width - c, -2) for _, c, kv in hits])
             cache.update(keys, values, layer)
         rows = [(width - c, c, span - len(t), t) for (_, c, _), t in zip(hits, rest, strict=True)]
         ids = torch.tensor([[0] * gap + t for _, _, gap, t in rows], device=self.device)
@@ -585,7 +466,7 @@ class TransformersEngine:
         self.stats["prefill_tokens"] += sum(map(len, rest))
         logits = self._prefill_forward(ids, mask, pos, cache)
         lengths = torch.tensor([len(r.prompt_ids) for r, _, _ in hits], device=self.device)
-        batch = _Batch(
+        batch = Batch(
             rows=[r for r, _, _ in hits],
             cache=cache,
             mask=mask,
@@ -594,7 +475,7 @@ class TransformersEngine:
         )
         return self._sample_step(batch, logits)
 
-    def _prefill_together(self, reqs: list[_Request]) -> _Batch | None:
+    def _prefill_together(self, reqs: list[Request]) -> Batch | None:
         """Prefill whole prompts: together, except that each prompt longer than a chunk runs alone,
         unpadded, and joins the others' batch after (padding would give the whole prompt an
         explicit mask, which the causal kernel spares a row of its own)."""
@@ -603,16 +484,16 @@ class TransformersEngine:
         if len(reqs) < 2 or not long or self.processor is not None:
             return self._prefill_rows(reqs)
         short = [r for r in reqs if len(r.prompt_ids) <= chunk]
-        batch: _Batch | None = None
+        batch: Batch | None = None
         for group in [[r] for r in long] + ([short] if short else []):
             part = self._prefill_rows(group)
             if batch is None or part is None:
                 batch = batch or part
             else:
-                batch = self._merge(batch, part)
+                batch = merge(batch, part)
         return batch
 
-    def _prefill_rows(self, reqs: list[_Request]) -> _Batch | None:
+    def _prefill_rows(self, reqs: list[Request]) -> Batch | None:
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device
@@ -633,13 +514,13 @@ class TransformersEngine:
             logits = self._prefill_forward(ids, mask, pos, cache)
             next_pos = lengths
         # next_ids is filled in by _sample_step.
-        batch = _Batch(
+        batch = Batch(
             rows=reqs, cache=cache, mask=mask, next_ids=torch.zeros_like(lengths), next_pos=next_pos
         )
         return self._sample_step(batch, logits)
 
     def _vision_prefill(
-        self, reqs: list[_Request], ids: torch.Tensor, mask: torch.Tensor
+        self, reqs: list[Request], ids: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(3, B, L) M-RoPE positions, (B,) rope deltas and the pixel kwargs of a VLM prefill."""
         assert self.processor is not None
@@ -651,7 +532,7 @@ class TransformersEngine:
         pos, deltas = rope_positions(self._model, ids, mask, grid, self.processor.image_token_id)
         return pos, deltas.to(self.device), vision
 
-    def _decode(self, batch: _Batch) -> _Batch | None:
+    def _decode(self, batch: Batch) -> Batch | None:
         pruned = self._prune(batch)  # callers that went away since the last step
         if pruned is None:
             return None
@@ -665,76 +546,27 @@ class TransformersEngine:
         batch.next_pos = batch.next_pos + 1
         return self._sample_step(batch, logits)
 
-    def _sample_step(self, batch: _Batch, logits: torch.Tensor) -> _Batch | None:
-        ids, logprobs = self._sample(batch.rows, logits)
+    def _sample_step(self, batch: Batch, logits: torch.Tensor) -> Batch | None:
+        ids, logprobs = sample(batch.rows, logits, self._unsampleable)
         self.stats["tokens"] += len(ids)
         for i, (row, tok, lp) in enumerate(zip(batch.rows, ids, logprobs, strict=True)):
             row.completion_ids.append(tok)
             row.logprobs.append(lp)
             if row.on_tokens is not None:  # queued on the loop ahead of the result, so it comes first
-                _stream(row.loop, row.on_tokens, tok)
-            if (end := self._end(row, tok)) is not None:
+                stream(row.loop, row.on_tokens, tok)
+            if (end := end_of(row, tok, self.eos_token_ids, self.tokenizer)) is not None:
                 if self._caches_prefixes(row):  # before the caller hears: its next turn may follow at once
                     self._keep_prefix(batch, i)
                 self._finish(row, *end)
         batch.next_ids = torch.tensor(ids, device=self.device)
         return self._prune(batch)
 
-    def _sample(self, rows: list[_Request], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Sample each row's next id; logprobs are under logits / T (raw logits when T == 0)."""
-        logits = logits.float()
-        logits = mask_unsampleable(logits, self._unsampleable)  # processor-only tokens: never sampled
-        temps = torch.tensor([r.sampling.temperature or 1.0 for r in rows], device=logits.device)
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        ids = logp.argmax(-1)
-        sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0]
-        if sampled:
-            probs = logp[sampled].exp()
-            top_p = torch.tensor([rows[i].sampling.top_p for i in sampled], device=logits.device)
-            if bool((top_p < 1).any()):
-                sorted_p, order = probs.sort(-1, descending=True)
-                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-                drop = (sorted_p.cumsum(-1) - sorted_p >= top_p[:, None]) & (top_p[:, None] < 1)
-                probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-            for j, i in enumerate(sampled):
-                ids[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-        chosen = logp.gather(-1, ids[:, None]).squeeze(-1)
-        return ids.tolist(), chosen.tolist()
+    def _keep_prefix(self, batch: Batch, i: int) -> None:
+        """Offer row i's KV to the prefix cache."""
+        if (kept := row_kv(batch, i)) is not None:
+            self.prefix_cache.insert(*kept)
 
-    def _keep_prefix(self, batch: _Batch, i: int) -> None:
-        """Offer row i's KV (its prompt and completion but the last token, which never ran) to the
-        prefix cache: the positions its mask marks real (indexing copies them out of the batch)."""
-        row = batch.rows[i]
-        tokens = row.prompt_ids + row.completion_ids[:-1]
-        real = batch.mask[i].nonzero().squeeze(-1)  # padding may lie between cached and new tokens
-        if len(real) != len(tokens):  # never expected; a wrong entry would corrupt later prompts
-            return
-        kv = [(la.keys[i : i + 1, :, real], la.values[i : i + 1, :, real]) for la in _kv_layers(batch.cache)]
-        self.prefix_cache.insert(tokens, kv)
-
-    def _end(self, row: _Request, tok: int) -> tuple[FinishReason, str | int | None] | None:
-        """(finish reason, stop reason) when `tok` ends the row's completion, else None."""
-        if tok in row.sampling.stop_token_ids:
-            return "stop", tok
-        if tok in self.eos_token_ids:
-            return "stop", None
-        if row.sampling.stop and (stop := self._stop_string(row)) is not None:
-            return "stop", stop
-        if len(row.completion_ids) >= row.max_tokens:
-            return "length", None
-        return None
-
-    def _stop_string(self, row: _Request) -> str | None:
-        """The stop string that the newest token completed, if any (earliest in the text wins).
-
-        The whole completion is decoded each step because a token can finish a multi-byte character
-        that an earlier decode showed as a replacement character.
-        """
-        text: str = self.tokenizer.decode(row.completion_ids, skip_special_tokens=False)
-        hits = [(pos, s) for s in row.sampling.stop if s and (pos := text.find(s)) >= 0]
-        return min(hits)[1] if hits else None
-
-    def _finish(self, row: _Request, reason: FinishReason, stop_reason: str | int | None) -> None:
+    def _finish(self, row: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
         row.done = True
         result = GenerateResult(
             completion_ids=row.completion_ids,
@@ -743,9 +575,9 @@ class TransformersEngine:
             policy_version=self._version,
             stop_reason=stop_reason,
         )
-        _deliver(row.loop, row.future, result)
+        deliver(row.loop, row.future, result)
 
-    def _prune(self, batch: _Batch) -> _Batch | None:
+    def _prune(self, batch: Batch) -> Batch | None:
         """Drop finished and cancelled rows from every tensor, and padding no remaining row needs."""
         keep = [i for i, r in enumerate(batch.rows) if not (r.done or r.cancelled)]
         self.stats["cancelled"] += sum(r.cancelled and not r.done for r in batch.rows)
@@ -753,31 +585,5 @@ class TransformersEngine:
         if not keep:
             return None
         if len(keep) < len(batch.rows):
-            index = torch.tensor(keep, device=self.device)
-            batch.cache.batch_select_indices(index)
-            batch.rows = [batch.rows[i] for i in keep]
-            batch.mask = batch.mask[index]
-            batch.next_ids = batch.next_ids[index]
-            batch.next_pos = batch.next_pos[index]
-            if self._mergeable:
-                # Leading columns that are padding in every remaining row would cost every later step.
-                lead = int(batch.mask.any(0).int().argmax())
-                if lead:
-                    for layer in _kv_layers(batch.cache):
-                        layer.keys = layer.keys[..., lead:, :]
-                        layer.values = layer.values[..., lead:, :]
-                    batch.mask = batch.mask[:, lead:]
+            batch = select(batch, keep, trim=self._mergeable)
         return batch
-
-    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
-        """Stack two batches, left-padding the shorter cache so real tokens stay right-aligned."""
-        width = max(a.mask.shape[1], b.mask.shape[1])
-        pad_a, pad_b = width - a.mask.shape[1], width - b.mask.shape[1]
-        for la, lb in zip(_kv_layers(a.cache), _kv_layers(b.cache), strict=True):
-            la.keys = torch.cat([_pad_left(la.keys, pad_a, -2), _pad_left(lb.keys, pad_b, -2)])
-            la.values = torch.cat([_pad_left(la.values, pad_a, -2), _pad_left(lb.values, pad_b, -2)])
-        a.rows = a.rows + b.rows
-        a.mask = torch.cat([_pad_left(a.mask, pad_a, -1), _pad_left(b.mask, pad_b, -1)])
-        a.next_ids = torch.cat([a.next_ids, b.next_ids])
-        a.next_pos = torch.cat([a.next_pos, b.next_pos])
-        return a
