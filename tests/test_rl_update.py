@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-import openforgerl.rl.trainer as trainer_module
+import openforgerl.rl.policy as policy_module
 from openforgerl.engines.base import SamplingParams
 from openforgerl.engines.transformers_engine import TransformersEngine
 from openforgerl.rl import algos
@@ -130,13 +130,13 @@ def negated_advantages(mp: pytest.MonkeyPatch) -> None:
 def mask_one_position_off(mp: pytest.MonkeyPatch) -> None:
     """The loss mask aligned with input_ids instead of the next-token predictions: each loss token
     is scored by the logits at its own position (the forgotten shift)."""
-    real = trainer_module._collate
+    real = policy_module._collate
 
     def collate(*a: Any, **k: Any) -> Any:
         batch = real(*a, **k)
         return dataclasses.replace(batch, targets=batch.ids[:, batch.positions])
 
-    mp.setattr(trainer_module, "_collate", collate)
+    mp.setattr(policy_module, "_collate", collate)
 
 
 def test_one_step_moves_each_rollout_the_way_its_advantage_says(tiny_model_dir: Path, sampled: Any) -> None:
@@ -211,6 +211,6 @@ def test_entropy_in_chunks_equals_the_categoricals(monkeypatch: pytest.MonkeyPat
     """The chunked entropy (lse - E_p[logits]) matches torch's Categorical, masked tokens included."""
     logits = torch.randn(3, 5, 11) * 3
     logits[..., 4] = -1e9  # a token the engine never samples
-    monkeypatch.setattr(trainer_module, "_ENTROPY_CHUNK", 2 * 11)  # two rows per chunk
-    got = trainer_module._entropy(logits, logits.logsumexp(-1))
+    monkeypatch.setattr(policy_module, "_ENTROPY_CHUNK", 2 * 11)  # two rows per chunk
+    got = policy_module._entropy(logits, logits.logsumexp(-1))
     assert torch.allclose(got, torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5)

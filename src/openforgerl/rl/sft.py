@@ -29,7 +29,8 @@ from openforgerl.atif import atif_rows, is_atif
 from openforgerl.images import Image, ImageError, image_from_data_url
 from openforgerl.rendering import ChatRenderer, VisionRenderer
 from openforgerl.rl.config import SFTConfig as SFTConfig
-from openforgerl.rl.trainer import ImageSource, MetricsLog, Policy, passed
+from openforgerl.rl.policy import ImageSource, Policy
+from openforgerl.rl.trainer import MetricsLog, passed
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.vision import VisionProcessor, is_vision_model, load_processor
