@@ -20,6 +20,66 @@ from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions, set_s
 from openforgerl.rl.headroom import CHECK_TASKS
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
+# Each option of `openforge train` that sets one of run.json's settings: its path there, and how the
+# option's value becomes the setting's. The rest of the settings: --set PATH=VALUE.
+_SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    **{
+        name: (name, _same)
+        for name in (
+            "tasks",
+            "skip_tasks",
+            "group",
+            "batch_tasks",
+            "temperature",
+            "max_gen_batches",
+            "headroom_tasks",
+            "headroom_k",
+            "max_tokens",
+            "max_turns",
+            "harness",
+            "max_steps",
+            "on_timeout",
+            "concurrency",
+            "seed",
+            "eval_every",
+            "eval_limit",
+            "engine",
+            "overlap",
+            "max_lag",
+        )
+    },
+    "ptx_data": ("ptx_data", lambda v: str(Path(v).resolve()) if v else None),
+    **{
+        name: (f"trainer.{name}", _same)
+        for name in ("lr", "warmup_steps", "mini_batches", "ppo_epochs", "ptx_coef", "ptx_batch", "device")
+    },
+    "micro_batch_tokens": ("trainer.micro_batch_tokens", _same),
+    "algo": ("trainer.estimator", _same),
+    "keep_zero_variance": ("trainer.drop_zero_variance", lambda v: not v),
+    **{
+        name: (f"trainer.tuning.{name}", _same)
+        for name in ("lora_rank", "lora_alpha", "gradient_checkpointing")
+    },
+    "loss": ("trainer.loss.loss", _same),
+    "kl_coef": ("trainer.loss.kl_coef", _same),
+    "clip_low": ("trainer.loss.clip_ratio_low", _same),
+    "clip_high": ("trainer.loss.clip_ratio_high", _same),
+    "tis": ("trainer.loss.tis", lambda v: None if v == "none" else v),
+    "tis_threshold": ("trainer.loss.tis_threshold", _same),
+}
+# Options whose None means "not given": the default, or on --resume the run's.
+_UNSET_IS_NONE = ("steps", "engine", "overlap", "max_lag")
+_BACKEND = ("image", "docker_host", "backend_config")
+# The settings no option above names: --set is how a command line reaches them.
+_SET_ONLY = [
+    k for k in setting_keys() if k not in {path for path, _ in _SETTINGS.values()} | {"steps", "trainer.seed"}
+]
+
+
 @click.command("train", context_settings={"ignore_unknown_options": True})
 @click.option("--tasks", default=TrainOptions.tasks, show_default=True, help="A suite or task file/dir.")
 @click.option(
@@ -231,9 +291,9 @@ from openforgerl.rl.headroom import CHECK_TASKS
     "settings",
     multiple=True,
     metavar="PATH=VALUE",
-    help="Any other setting of the run, by its path in run.json (repeatable): "
-    + ", ".join(k for k in setting_keys() if "." in k or k in ("split", "max_context", "on_failure"))
-    + ", ... With --resume it changes the run's, as the options above given again do.",
+    help="Any other setting of the run, by its path in run.json (repeatable; an option's setting "
+    "too): " + ", ".join(_SET_ONLY) + ". With --resume it changes the run's, as the options above "
+    "given again do.",
 )
 @sandbox_options(
     "verl",
@@ -291,62 +351,6 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
         f"{summary['steps']} steps, policy version {summary['policy_version']}; "
         f"checkpoint {summary['checkpoint']}; metrics {summary['metrics']}"
     )
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-# Each option of `openforge train` that sets one of run.json's settings: its path there, and how the
-# option's value becomes the setting's. The rest of the settings: --set PATH=VALUE.
-_SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    **{
-        name: (name, _same)
-        for name in (
-            "tasks",
-            "skip_tasks",
-            "group",
-            "batch_tasks",
-            "temperature",
-            "max_gen_batches",
-            "headroom_tasks",
-            "headroom_k",
-            "max_tokens",
-            "max_turns",
-            "harness",
-            "max_steps",
-            "on_timeout",
-            "concurrency",
-            "seed",
-            "eval_every",
-            "eval_limit",
-            "engine",
-            "overlap",
-            "max_lag",
-        )
-    },
-    "ptx_data": ("ptx_data", lambda v: str(Path(v).resolve()) if v else None),
-    **{
-        name: (f"trainer.{name}", _same)
-        for name in ("lr", "warmup_steps", "mini_batches", "ppo_epochs", "ptx_coef", "ptx_batch", "device")
-    },
-    "micro_batch_tokens": ("trainer.micro_batch_tokens", _same),
-    "algo": ("trainer.estimator", _same),
-    "keep_zero_variance": ("trainer.drop_zero_variance", lambda v: not v),
-    **{
-        name: (f"trainer.tuning.{name}", _same)
-        for name in ("lora_rank", "lora_alpha", "gradient_checkpointing")
-    },
-    "loss": ("trainer.loss.loss", _same),
-    "kl_coef": ("trainer.loss.kl_coef", _same),
-    "clip_low": ("trainer.loss.clip_ratio_low", _same),
-    "clip_high": ("trainer.loss.clip_ratio_high", _same),
-    "tis": ("trainer.loss.tis", lambda v: None if v == "none" else v),
-    "tis_threshold": ("trainer.loss.tis_threshold", _same),
-}
-# Options whose None means "not given": the default, or on --resume the run's.
-_UNSET_IS_NONE = ("steps", "engine", "overlap", "max_lag")
-_BACKEND = ("image", "docker_host", "backend_config")
 
 
 def _options(
