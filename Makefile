@@ -184,3 +184,26 @@ test-docker: $(STAMP)
 	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
 	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) \
 	  $(BIN)/pytest -q -m 'not vllm and not ui and not real_model' tests/test_docker.py
+
+## A real single-node Kubernetes cluster on this machine (scripts/k8s_cluster.sh; as root): kube-apiserver,
+## controller-manager, scheduler and kubelet compiled once from Debian's `kubernetes` source package
+## (1.20.2) into K8S_DIR, Debian's etcd, a kubelet on a Docker engine of its own (dockershim), Pods on a
+## private bridge that reaches this host and nothing else. The API server listens on 127.0.0.1 only,
+## with token authentication and RBAC; the admin kubeconfig is K8S_DIR/kubeconfig. `make k8s-down`
+## stops every process by its pid and removes the cluster's state (the build and images stay).
+K8S_DIR ?= $(HOME)/.cache/openforgerl/k8s
+
+.PHONY: k8s-up k8s-down test-k8s
+k8s-up:
+	OPENFORGE_K8S_DIR=$(K8S_DIR) bash scripts/k8s_cluster.sh up
+
+k8s-down:
+	OPENFORGE_K8S_DIR=$(K8S_DIR) bash scripts/k8s_cluster.sh down
+
+## The Kubernetes backend against that cluster (tests/test_k8s_cluster.py, marker `k8s`): Pods from a task
+## image made in the cluster's engine, exec and files, limits, OOM, the deadline, owner-reference and
+## `openforge gc` clean-up, RBAC refusals, concurrent rollouts and `openforge eval --backend kubernetes`.
+## Starts the cluster when it is not up, and stops it again after.
+test-k8s: $(STAMP)
+	OPENFORGE_K8S_DIR=$(K8S_DIR) sh tests/k8s_cluster.sh $(DOCKER_BASE_IMAGE) $(DOCKER_STATE) \
+	  $(BIN)/pytest -q -m k8s tests/test_k8s_cluster.py
