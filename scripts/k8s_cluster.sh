@@ -101,8 +101,13 @@ build() {
   version=$(sed -n 's/^kubernetes (\([^)]*\)).*/\1/p;q' "$SRC_DIR/debian/changelog")
   version=v${version#*really}
   version=${version%%-*}
-  local pkg=k8s.io/kubernetes/vendor/k8s.io/component-base/version
-  local ldflags="-s -w -X $pkg.gitVersion=$version -X $pkg.gitMajor=1 -X $pkg.gitMinor=20 -X $pkg.gitTreeState=clean"
+  # The version the programs report (/version, the node's kubeletVersion), as hack/lib/version.sh sets it.
+  local pkg ldflags="-s -w"
+  for pkg in client-go/pkg/version component-base/version; do
+    pkg=k8s.io/kubernetes/vendor/k8s.io/$pkg
+    ldflags+=" -X $pkg.gitVersion=$version -X $pkg.gitMajor=${version:1:1} -X $pkg.gitTreeState=clean"
+    ldflags+=" -X $pkg.gitMinor=$(echo "$version" | cut -d. -f2)"
+  done
   local started=$SECONDS todo=()
   for p in "${PROGRAMS[@]}"; do [ -x "$BIN_DIR/$p" ] || todo+=("./cmd/$p"); done
   if [ ${#todo[@]} -gt 0 ]; then
@@ -225,12 +230,47 @@ make_pki() {
   kubeconfig "$sched" system:kube-scheduler >"$PKI/scheduler.kubeconfig"
 }
 
+# The kubelet gives pause containers and Guaranteed Pods' containers oom_score_adj -998, which needs
+# CAP_SYS_RESOURCE; where root lacks it (some VMs and containers), runc fails ("can't get final
+# child's PID from pipe"). There the engine runs runc through this wrapper, which raises a negative
+# oom_score_adj to 0 and changes nothing else: the kernel's OOM killer then prefers those processes
+# no less than any other, which is all that is lost.
+write_runc_wrapper() {
+  cat >"$RUN_DIR/runc-oom-clamp" <<'EOF'
+#!/bin/sh
+prev=
+for a in "$@"; do
+  case "$prev" in --bundle | -b) spec=$a/config.json ;; --process | -p) spec=$a ;; esac
+  case "$a" in --bundle=*) spec=${a#--bundle=}/config.json ;; --process=*) spec=${a#--process=} ;; esac
+  prev=$a
+done
+if [ -n "${spec:-}" ] && [ -f "$spec" ]; then
+  python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+proc = d.get("process", d)
+if proc.get("oomScoreAdj", 0) < 0:
+    proc["oomScoreAdj"] = 0
+    json.dump(d, open(sys.argv[1], "w"))
+' "$spec"
+fi
+exec runc "$@"
+EOF
+  chmod 755 "$RUN_DIR/runc-oom-clamp"
+}
+
 start_docker() {
   mkdir -p "$DOCKER_DIR"
   if ! dockerc version >/dev/null 2>&1; then
     command -v dockerd >/dev/null || apt_install docker.io
+    local runtime=()
+    if ! sh -c 'echo -1 >/proc/self/oom_score_adj' 2>/dev/null; then
+      log "no CAP_SYS_RESOURCE here: runc runs with negative oom_score_adj raised to 0 (runc-oom-clamp)"
+      write_runc_wrapper
+      runtime=(--add-runtime "oom-clamp=$RUN_DIR/runc-oom-clamp" --default-runtime oom-clamp)
+    fi
     start dockerd dockerd --iptables=false --ip6tables=false --bridge=none --data-root "$DOCKER_DIR/data" \
-      --exec-root "$DOCKER_DIR/exec" --host "$DOCKER_SOCK" --pidfile "$DOCKER_DIR/dockerd.pid"
+      --exec-root "$DOCKER_DIR/exec" --host "$DOCKER_SOCK" --pidfile "$DOCKER_DIR/dockerd.pid" "${runtime[@]}"
     wait_for dockerd 60 dockerc version
   fi
   if ! dockerc image inspect "$PAUSE_IMAGE" >/dev/null 2>&1; then
@@ -318,11 +358,13 @@ up() {
   ip addr replace "$POD_GATEWAY/${POD_SUBNET#*/}" dev "$POD_BRIDGE"
   ip link set "$POD_BRIDGE" up
   mkdir -p "$RUN_DIR/kubelet"
-  # Loopback only; no iptables rules of its own; image GC and disk evictions off, so that a full
-  # disk elsewhere on a shared machine neither deletes task images nor taints the node.
+  # On the Pods' bridge (a node's address may not be loopback; the API server reaches the kubelet
+  # there for exec), with client certificates or tokens only; no iptables rules of its own; image GC
+  # and disk evictions off, so that a full disk elsewhere on a shared machine neither deletes task
+  # images nor taints the node.
   start kubelet "$BIN_DIR/kubelet" \
-    --kubeconfig="$PKI/kubelet.kubeconfig" --hostname-override="$NODE" --node-ip=127.0.0.1 \
-    --address=127.0.0.1 --read-only-port=0 --healthz-bind-address=127.0.0.1 \
+    --kubeconfig="$PKI/kubelet.kubeconfig" --hostname-override="$NODE" --node-ip="$POD_GATEWAY" \
+    --address="$POD_GATEWAY" --read-only-port=0 --healthz-bind-address=127.0.0.1 \
     --client-ca-file="$PKI/ca.crt" --anonymous-auth=false --authorization-mode=Webhook \
     --root-dir="$RUN_DIR/kubelet" --cert-dir="$RUN_DIR/kubelet/pki" \
     --container-runtime=docker --docker-endpoint="$DOCKER_SOCK" --pod-infra-container-image="$PAUSE_IMAGE" \

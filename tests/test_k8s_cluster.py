@@ -196,7 +196,9 @@ def test_the_memory_limit_kills_and_says_oom(image: str, namespace: str) -> None
 
 def test_the_kubelet_enforces_the_deadline(image: str, namespace: str) -> None:
     async def go() -> Any:
-        async with backend("deadline", image, deadline_s=8).create(SandboxSpec(limits=SMALL), "deadline-r1") as sb:
+        async with backend("deadline", image, deadline_s=8).create(
+            SandboxSpec(limits=SMALL), "deadline-r1"
+        ) as sb:
             return await sb.exec("sleep 120")
 
     late = asyncio.run(go())
@@ -204,13 +206,22 @@ def test_the_kubelet_enforces_the_deadline(image: str, namespace: str) -> None:
 
 
 def test_deleting_a_runs_parent_deletes_its_pods(image: str, namespace: str) -> None:
-    """The garbage collector (controller-manager) follows each Pod's owner reference to the run's ConfigMap."""
+    """The garbage collector (controller-manager) follows a Pod's owner reference to its run's ConfigMap."""
 
     async def go() -> None:
         async with backend("owned", image).create(SandboxSpec(limits=SMALL), "owned-r1"):
             [pod] = pods("owned")
-            kubectl("delete", "configmap", "-n", NS, "-l", "openforgerl.dev/run=owned,app.kubernetes.io/component=run")
-            await asyncio.to_thread(wait_until, lambda: not pods("owned"), 120, "GC of " + pod["metadata"]["name"])
+            kubectl(
+                "delete",
+                "configmap",
+                "-n",
+                NS,
+                "-l",
+                "openforgerl.dev/run=owned,app.kubernetes.io/component=run",
+            )
+            await asyncio.to_thread(
+                wait_until, lambda: not pods("owned"), 120, "GC of " + pod["metadata"]["name"]
+            )
 
     asyncio.run(go())  # and the sandbox's own delete, finding the Pod gone, is no error
 
@@ -307,17 +318,20 @@ from openforgerl.sandbox.kubernetes import KubernetesBackend, KubernetesConfig
 from openforgerl.tasks import Task
 
 gateway, token, kubeconfig, state, image, ns = sys.argv[1:]
-backend = KubernetesBackend(KubernetesConfig(run_id="crashy", image=image, kubeconfig=kubeconfig, namespace=ns))
+cfg = KubernetesConfig(run_id="crashy", image=image, kubeconfig=kubeconfig, namespace=ns)
+backend = KubernetesBackend(cfg)
 tasks = [Task(id=f"t{i}", instruction="x", split="test", verifier={"command": "true"}) for i in range(3)]
 limits = Limits(memory_bytes=128 << 20, cpus=0.1)
-cfg = RunnerConfig(gateway_url=gateway, admin_token=token, run_id="crashy", state_path=Path(state), limits=limits)
+run = RunnerConfig(
+    gateway_url=gateway, admin_token=token, run_id="crashy", state_path=Path(state), limits=limits
+)
 
 
 async def sleeper(*_):
     return HarnessLaunch(["sleep", "300"], {})
 
 
-runner = Runner(cfg, backend, sleeper)
+runner = Runner(run, backend, sleeper)
 asyncio.run(runner.run(tasks))
 """
 
@@ -359,7 +373,9 @@ def service_account_kubeconfig(name: str, path: Path) -> str:
     """A kubeconfig that authenticates as ServiceAccount `name` of NS, with the token its Secret holds."""
 
     def secret() -> str:
-        out = kubectl("get", "serviceaccount", name, "-n", NS, "-o", "jsonpath={.secrets[0].name}", check=False)
+        out = kubectl(
+            "get", "serviceaccount", name, "-n", NS, "-o", "jsonpath={.secrets[0].name}", check=False
+        )
         return out.strip()
 
     wait_until(lambda: bool(secret()), 60, f"the token of serviceaccount {name}")
@@ -399,16 +415,23 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 
 def test_rbac_refusals_name_the_missing_permission(image: str, namespace: str, tmp_path: Path) -> None:
     # deploy/kubernetes/rbac.yaml's Role, less pods/exec.
-    rules = [r for r in yaml.safe_load_all((DEPLOY / "rbac.yaml").read_text()) if r["kind"] == "Role"][0]["rules"]
+    rules = next(r for r in yaml.safe_load_all((DEPLOY / "rbac.yaml").read_text()) if r["kind"] == "Role")[
+        "rules"
+    ]
     no_exec = [r for r in rules if r["resources"] != ["pods/exec"]]
     kube = service_account_kubeconfig(rbac("no-exec", no_exec), tmp_path / "no-exec")
     args = ["doctor", "--backend", "kubernetes", "--kubeconfig", kube, "--namespace", NS]
     doctor = CliRunner().invoke(cli, args)
-    assert f"MISSING  permissions: not allowed in namespace {NS}: create pods/exec, get pods/exec" in doctor.output
+    assert (
+        f"MISSING  permissions: not allowed in namespace {NS}: create pods/exec, get pods/exec"
+        in doctor.output
+    )
     assert "Kubernetes v1.20.2" in doctor.output
 
     async def exec_denied() -> None:
-        async with backend("no-exec", image, kubeconfig=kube).create(SandboxSpec(limits=SMALL), "no-exec-r1") as sb:
+        async with backend("no-exec", image, kubeconfig=kube).create(
+            SandboxSpec(limits=SMALL), "no-exec-r1"
+        ) as sb:
             await sb.exec("true")
 
     with pytest.raises(SandboxUnavailable, match=r"pods/exec") as denied:
@@ -419,7 +442,11 @@ def test_rbac_refusals_name_the_missing_permission(image: str, namespace: str, t
     no_pods = [r for r in rules if r["resources"] != ["pods"]]
     kube2 = service_account_kubeconfig(rbac("no-pods", no_pods), tmp_path / "no-pods")
     with pytest.raises(SandboxUnavailable, match=r'cannot create resource "pods"'):
-        asyncio.run(backend("no-pods", image, kubeconfig=kube2).create(SandboxSpec(limits=SMALL), "no-pods-r1").start())
+        asyncio.run(
+            backend("no-pods", image, kubeconfig=kube2)
+            .create(SandboxSpec(limits=SMALL), "no-pods-r1")
+            .start()
+        )
 
     # The whole Role: doctor finds every permission (the NetworkPolicy is another matter).
     kube3 = service_account_kubeconfig(rbac("runner", rules), tmp_path / "runner")
@@ -427,7 +454,9 @@ def test_rbac_refusals_name_the_missing_permission(image: str, namespace: str, t
     assert f"ok       permissions: pods, pods/exec and configmaps in namespace {NS}" in allowed.output
 
 
-def test_openforge_eval_runs_rollouts_as_pods(image: str, namespace: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_openforge_eval_runs_rollouts_as_pods(
+    image: str, namespace: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """`openforge eval --backend kubernetes`: the built-in ReAct harness in eight Pods at once, each
     rollout ending with a verdict."""
     engine = ScriptEngine(tiny_model_dir)
