@@ -369,6 +369,22 @@ def test_forbidden_is_unavailable_not_retried(cluster: FakeCluster, kubeconfig: 
     assert cluster.faults[0].count == 4
 
 
+def test_a_refused_exec_names_the_missing_permission(cluster: FakeCluster, kubeconfig: str) -> None:
+    """A refused WebSocket handshake says only 403 (a real 1.20 API server's did, in
+    test_k8s_cluster.py): the error asks the API server which permission is missing."""
+    cluster.faults.append(Fault("GET", "/exec", 403))
+    cluster.denied.add(("get", "pods", "exec"))
+
+    async def go() -> None:
+        async with backend(kubeconfig, "noexec").create(SandboxSpec(), "noexec-r1") as sb:
+            await sb.exec("true")
+
+    with pytest.raises(
+        SandboxUnavailable, match=r"forbidden: not allowed in namespace default: get pods/exec \("
+    ):
+        asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     ("image", "why"),
     [

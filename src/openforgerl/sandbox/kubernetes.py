@@ -420,6 +420,31 @@ async def load_client_config(kubeconfig: str | None, context: str | None) -> cli
     return conf
 
 
+async def denied_permissions(
+    api: client.ApiClient, namespace: str, wanted: Sequence[tuple[str, str, str]]
+) -> list[str]:
+    """Of `wanted` (verb, resource, subresource), what the caller may not do in `namespace`, as
+    "verb resource/sub", asked of the API server itself (SelfSubjectAccessReview)."""
+    denied = []
+    for verb, resource, sub in wanted:
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {
+                "resourceAttributes": {
+                    "namespace": namespace,
+                    "verb": verb,
+                    "resource": resource,
+                    "subresource": sub,
+                }
+            },
+        }
+        answer = await client.AuthorizationV1Api(api).create_self_subject_access_review(cast(Any, review))
+        if not answer.status.allowed:
+            denied.append(f"{verb} {resource}{'/' + sub if sub else ''}")
+    return denied
+
+
 class _Session:
     """What a backend holds while it has sandboxes, on one event loop: the clients, the cap on Pods in
     flight, the creation rate, the run's parent and its heartbeat."""
@@ -577,25 +602,7 @@ class KubernetesBackend:
             except (ApiException, SandboxError, aiohttp.ClientError) as e:
                 missing["api"] = f"cannot reach {conf.host}: {str(e).splitlines()[0]}"
                 return BackendCheck(self.name, isolation, "cgroup", available, missing)
-            denied = []
-            for verb, resource, sub in PERMISSIONS:
-                review = {
-                    "apiVersion": "authorization.k8s.io/v1",
-                    "kind": "SelfSubjectAccessReview",
-                    "spec": {
-                        "resourceAttributes": {
-                            "namespace": cfg.namespace,
-                            "verb": verb,
-                            "resource": resource,
-                            "subresource": sub,
-                        }
-                    },
-                }
-                answer = await client.AuthorizationV1Api(api).create_self_subject_access_review(
-                    cast(Any, review)
-                )
-                if not answer.status.allowed:
-                    denied.append(f"{verb} {resource}{'/' + sub if sub else ''}")
+            denied = await denied_permissions(api, cfg.namespace, PERMISSIONS)
             if denied:
                 missing["permissions"] = (
                     f"not allowed in namespace {cfg.namespace}: {', '.join(denied)} "
@@ -641,6 +648,7 @@ class KubernetesSandbox(container.ContainerSandbox):
         self._session: _Session | None = None
         self._holds_slot = False
         self._created = False
+        self._oom_kills = 0  # the memory cgroup's OOM kills seen so far (a new Pod's count is 0)
 
     @property
     def gateway_url(self) -> str | None:
@@ -783,7 +791,7 @@ class KubernetesSandbox(container.ContainerSandbox):
             ws = await session.call(f"exec in pod {self.pod}", connect)
         except aiohttp.WSServerHandshakeError as e:
             if e.status == 403:
-                raise SandboxUnavailable(f"exec in pod {self.pod} forbidden: {e.message}") from e
+                raise SandboxUnavailable(await self._exec_forbidden(session)) from e
             raise container.StreamLost(f"exec refused: {e.status} {e.message}") from e
         status = bytearray()
         try:
@@ -814,6 +822,38 @@ class KubernetesSandbox(container.ContainerSandbox):
             raise container.StreamLost("the exec stream ended without an exit status")
         return _exit_code(bytes(status))
 
+    async def _exec_forbidden(self, session: _Session) -> str:
+        """Why exec was refused, naming the permissions: a refused WebSocket handshake carries no
+        reason (aiohttp keeps only the status), so the API server is asked what is missing."""
+        ns = self._cfg.namespace
+        wanted = [p for p in PERMISSIONS if p[1:] == ("pods", "exec")]
+        try:
+            assert session.api is not None
+            denied = await denied_permissions(session.api, ns, wanted)
+        except (ApiException, aiohttp.ClientError) as e:
+            denied = [f"(unknown: the access review failed: {str(e).splitlines()[0]})"]
+        missing = ", ".join(denied) or "nothing an access review sees (an admission webhook?)"
+        return (
+            f"exec in pod {self.pod} forbidden: not allowed in namespace {ns}: {missing} "
+            "(deploy/kubernetes/rbac.yaml grants them; see `openforge doctor --backend kubernetes`)"
+        )
+
+    async def _oom_killed(self) -> bool:
+        """Whether the container's memory cgroup OOM-killed something since the last look. The Pod's
+        status cannot say: its main process (the idle placeholder) lives on when the kernel kills a
+        command run through exec, so the cgroup's own counter is read, from inside the container."""
+        output = base.Output(4096)
+        try:
+            code = await self._raw(["sh", "-c", _OOM_KILLS], None, output, 30)
+        except SandboxError:
+            return False
+        found = re.search(rb"^oom_kill (\d+)$", output.stdout_bytes(), re.M)
+        if code != 0 or not found:
+            return False
+        kills = int(found.group(1))
+        new, self._oom_kills = kills > self._oom_kills, max(kills, self._oom_kills)
+        return new
+
     async def _blame(
         self, code: int, lost: container.StreamLost | None, before: base.Counters | None
     ) -> str | None:
@@ -834,7 +874,7 @@ class KubernetesSandbox(container.ContainerSandbox):
             return "stopped"
         if state is PodState.INFRA or lost is not None:
             raise SandboxStartError(f"sandbox {self.name}: {why}; {lost or 'command killed'}")
-        return None
+        return "oom" if await self._oom_killed() else None
 
 
 def _exit_code(status: bytes) -> int:
@@ -849,6 +889,10 @@ def _exit_code(status: bytes) -> int:
         if cause.get("reason") == "ExitCode":
             return int(cause["message"])
     raise container.StreamLost(f"the command did not run: {doc.get('message', doc)}")
+
+
+# The memory cgroup's OOM kill count, as the container sees its own cgroup (v1, else v2).
+_OOM_KILLS = "cat /sys/fs/cgroup/memory/memory.oom_control 2>/dev/null || cat /sys/fs/cgroup/memory.events"
 
 
 # -- garbage collection ---------------------------------------------------------------------------
