@@ -23,7 +23,9 @@ exec env, so it never sits in the Pod object for anyone who may read Pods.
 Failures (see `assess`): what the cluster did (image pull errors, evictions, preemptions, a node lost,
 a Pod deleted, a Pod that never became ready, API errors past the retries) raises SandboxStartError,
 which the runner retries; what the rollout did (an OOM kill, the Pod's deadline) is the exec's result,
-a policy outcome. A missing permission or an invalid configuration raises SandboxUnavailable.
+a policy outcome. An OOM kill of a command run through exec leaves the container running, so the Pod's
+status never says it: the container's memory cgroup's own count does (`_oom_killed`). A missing
+permission or an invalid configuration raises SandboxUnavailable, naming what is missing.
 
 A spec's own work dir (Harbor's /app) and extra dirs are emptyDirs like /workspace: what the image
 holds at that path is hidden (the Docker backend keeps it), so such a task's files must come as its
