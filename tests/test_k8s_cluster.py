@@ -464,7 +464,16 @@ def test_openforge_eval_runs_rollouts_as_pods(
     with running_gateway(tiny_model_dir, tmp_path, engine, host=POD_GATEWAY) as gw:
         config = tmp_path / "backend.yaml"
         config.write_text(
-            yaml.safe_dump({"kubeconfig": KUBECONFIG, "namespace": NS, "gateway_url": gw.url, "max_pods": 8})
+            yaml.safe_dump(
+                # A rollout's limits are 1 CPU and 2 GiB: as requests, two Pods would fill this node.
+                {
+                    "kubeconfig": KUBECONFIG,
+                    "namespace": NS,
+                    "gateway_url": gw.url,
+                    "max_pods": 8,
+                    "cpu_request_fraction": 0.1,
+                }
+            )
         )
         out = tmp_path / "eval"
         args = [
@@ -478,3 +487,8 @@ def test_openforge_eval_runs_rollouts_as_pods(
     report = json.loads((out / "report.json").read_text())
     assert report["rollouts"] == 8, report
     assert report["infra_failed"] == 0, report
+    # Every Pod found room at once: the scheduler never had to hold one back.
+    events = json.loads(
+        kubectl("get", "events", "-n", NS, "--field-selector", "reason=FailedScheduling", "-o", "json")
+    )
+    assert [e["message"] for e in events["items"] if e["involvedObject"]["name"].startswith("of-eval-")] == []

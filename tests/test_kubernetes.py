@@ -108,8 +108,14 @@ def own_checks(obj: dict[str, Any]) -> list[str]:
         errors += [f"env name {e['name']!r}" for e in env if not _ENV_NAME.fullmatch(e["name"])]
     if obj["kind"] == "Pod":
         for c in obj["spec"]["containers"]:
-            if c["resources"]["requests"] != c["resources"]["limits"]:
+            requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+            # requests = limits, but a CPU request may be a share of its limit (cpu_request_fraction)
+            if {k: v for k, v in requests.items() if k != "cpu"} != {
+                k: v for k, v in limits.items() if k != "cpu"
+            }:
                 errors.append("requests differ from limits")
+            if _millicores(requests.get("cpu")) > _millicores(limits.get("cpu")):
+                errors.append("a CPU request above its limit")
     return errors
 
 
@@ -124,6 +130,12 @@ def _all(node: Any, key: str) -> list[Any]:
         for item in node:
             found += _all(item, key)
     return found
+
+
+def _millicores(quantity: str | None) -> float:
+    """A CPU quantity in millicores ("500m", "2", "0.5"); 0 where absent or not a quantity."""
+    found = re.fullmatch(r"([0-9.]+)(m?)", quantity or "")
+    return float(found.group(1)) * (1 if found.group(2) else 1000) if found else 0.0
 
 
 def admit(obj: dict[str, Any]) -> str | None:
@@ -151,6 +163,7 @@ CONFIGS = {
         harness_claim="harnesses",
         ephemeral_storage="10Gi",
         deadline_s=7200,
+        cpu_request_fraction=0.1,
     ),
 }
 SPECS = {
@@ -191,6 +204,16 @@ def test_generated_manifests_validate(cfg: KubernetesConfig, spec: SandboxSpec) 
         assert env["OPENFORGE_GATEWAY_URL"] == cfg.gateway_url
     assert pod["metadata"]["labels"]["openforgerl.dev/network"] == spec.network
     assert pod["metadata"]["annotations"]["openforgerl.dev/sandbox"] == name
+
+
+def test_cpu_requests_can_be_a_share_of_the_limits() -> None:
+    """Guaranteed by default; a one-node cluster packs Burstable Pods by a share of their CPU."""
+    spec = SandboxSpec(limits=Limits(memory_bytes=2 << 30, cpus=1.0))
+    [plain] = pod_manifest(CONFIGS["plain"], spec, "run-1-r")["spec"]["containers"]
+    assert plain["resources"]["requests"] == plain["resources"]["limits"]
+    [packed] = pod_manifest(CONFIGS["everything"], spec, "run-1-r")["spec"]["containers"]
+    assert packed["resources"]["limits"] == {"cpu": "1000m", "memory": "2048Mi", "ephemeral-storage": "10Gi"}
+    assert packed["resources"]["requests"] == {"cpu": "100m", "memory": "2048Mi", "ephemeral-storage": "10Gi"}
 
 
 @pytest.mark.parametrize("doc", deploy_documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")

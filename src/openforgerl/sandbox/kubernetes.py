@@ -128,6 +128,10 @@ class KubernetesConfig(BaseModel):
     harness_claim: str | None = None
     harness_path: str = "/opt/openforgerl/harnesses"
     ephemeral_storage: str | None = "4Gi"  # requests = limits, and each emptyDir's size limit
+    # CPU requests as this share of the limit. 1: requests = limits, the Guaranteed class, a node takes
+    # as many Pods as it has cores. Below 1 (a laptop's one-node cluster): Burstable Pods, packed by
+    # their requests and each still capped by its limit (memory requests stay equal to the limits).
+    cpu_request_fraction: float = Field(default=1.0, gt=0, le=1)
     max_pods: int = Field(default=64, ge=1)  # Pods in flight at once
     creates_per_s: float = Field(default=5.0, gt=0)
     start_timeout_s: float = Field(default=600.0, gt=0)
@@ -198,8 +202,10 @@ def pod_manifest(
     """The Pod of sandbox `name` (a name the runner made: `<run id>-<rollout id>`)."""
     limits = spec.limits
     resources: dict[str, str] = {}
+    requests: dict[str, str] = {}
     if limits.cpus is not None:
         resources["cpu"] = quantity_cpu(limits.cpus)
+        requests["cpu"] = quantity_cpu(limits.cpus * cfg.cpu_request_fraction)
     if limits.memory_bytes is not None:
         resources["memory"] = quantity_memory(limits.memory_bytes)
     if cfg.ephemeral_storage:
@@ -272,7 +278,7 @@ def pod_manifest(
                 "command": container.IDLE,
                 "workingDir": workdir,
                 "env": [{"name": k, "value": v} for k, v in env.items()],
-                "resources": {"requests": dict(resources), "limits": dict(resources)},
+                "resources": {"requests": resources | requests, "limits": dict(resources)},
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "privileged": False,
