@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ import yaml
 from click.testing import CliRunner
 
 from openforgerl.cli import main as cli
-from openforgerl.harnesses.launch import PYTHON_INSIDE, SANDBOX_MODULES, HarnessLaunch
+from openforgerl.harnesses.launch import HarnessLaunch
 from openforgerl.rollouts.results import Status
 from openforgerl.rollouts.runner import Runner, RunnerConfig
 from openforgerl.sandbox import Limits, SandboxSpec, SandboxUnavailable
@@ -81,24 +80,16 @@ def wait_until(predicate: Any, timeout: float = 120.0, what: str = "") -> None:
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The task image, made in the kubelet's engine: the base image, a file of its own, and the
-    built-in harnesses' modules where a container's python3 finds them (harnesses/launch.py)."""
-    import openforgerl
-
-    package = Path(openforgerl.__file__).parent
-    with tempfile.TemporaryDirectory() as ctx:
-        for m in SANDBOX_MODULES:
-            if (package / m).is_file():
-                dest = Path(ctx, "python", "openforgerl", m)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes((package / m).read_bytes())
-        Path(ctx, "Dockerfile").write_text(
-            f"FROM {BASE_IMAGE}\nCOPY python {PYTHON_INSIDE}\nRUN echo task-image > /etc/openforge-image\n"
-        )
-        done = subprocess.run(
-            ["docker", "-H", DOCKER_HOST, "build", "-q", "-t", IMAGE, ctx], capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr
+    """The task image, made in the kubelet's engine by scripts/k8s_task_image.py: the base image and the
+    built-in harnesses' modules."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "k8s_task_image.py"
+    done = subprocess.run(
+        [sys.executable, str(script), BASE_IMAGE, IMAGE],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"DOCKER_HOST": DOCKER_HOST},
+    )
+    assert done.returncode == 0, done.stderr
     return IMAGE
 
 
@@ -150,7 +141,7 @@ def test_a_pod_from_the_task_image_runs_commands_and_moves_files(
             done = await sb.exec("cat task.txt; echo $X >&2; pwd; exit 3", env={"X": "env"}, cwd="sub/..")
             assert (done.exit_code, done.stdout, done.stderr) == (3, "hello/workspace\n", "env\n")
             assert done.killed_by is None and not done.ok
-            assert (await sb.exec("cat /etc/openforge-image")).stdout == "task-image\n"
+            assert (await sb.exec("cat /etc/openforge-image")).stdout == f"{IMAGE}\n"
             assert (await sb.exec(["sh", "-c", "cat; id -u"], stdin="piped ")).stdout == "piped 1000\n"
             assert (await sb.exec("touch /root-is-read-only")).exit_code != 0
             await sb.put_file("a/b.sh", "echo ran", 0o755)
