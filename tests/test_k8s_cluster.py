@@ -483,3 +483,32 @@ def test_openforge_eval_runs_rollouts_as_pods(
         kubectl("get", "events", "-n", NS, "--field-selector", "reason=FailedScheduling", "-o", "json")
     )
     assert [e["message"] for e in events["items"] if e["involvedObject"]["name"].startswith("of-eval-")] == []
+
+
+def test_openforge_train_runs_a_grpo_step_in_pods(
+    image: str, namespace: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`openforge train --backend kubernetes`: the tiny model generating every turn inside Pods, through
+    the gateway the run embeds, listening where Pods reach it (`gateway_host`), then one GRPO step."""
+    config = tmp_path / "backend.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "kubeconfig": KUBECONFIG,
+                "namespace": NS,
+                "gateway_host": POD_GATEWAY,
+                "cpu_request_fraction": 0.1,
+            }
+        )
+    )
+    out = tmp_path / "rl"
+    args = [
+        "train", "--tasks", "tools-tiny", "--model", str(tiny_model_dir), "--backend", "kubernetes",
+        "--backend-config", str(config), "--image", image, "--steps", "1", "--group", "2",
+        "--batch-tasks", "2", "--keep-zero-variance", "--max-turns", "2", "--out", str(out),
+    ]  # fmt: skip
+    done = CliRunner().invoke(cli, args)
+    assert done.exit_code == 0, done.output
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps and steps[-1]["step"] == 1, steps
+    assert not pods("rl")  # every Pod deleted with its rollout

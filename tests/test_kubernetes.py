@@ -655,3 +655,13 @@ def test_real_cluster(tmp_path: Path) -> None:
     asyncio.run(go())
     found = asyncio.run(collect_garbage(cfg.namespace, run=cfg.run_id))
     assert [g.kind for g in found] == ["configmap"]  # the Pod went with its sandbox
+
+
+def test_an_embedded_gateway_listens_where_pods_reach_it() -> None:
+    """`gateway_host`: the gateway of eval/train listens there (and the backend accepts the setting)."""
+    from openforgerl.sandbox.choice import BackendChoice
+
+    assert BackendChoice("kubernetes", IMAGE, {"gateway_host": "10.217.0.1"}).gateway_host == "10.217.0.1"
+    assert BackendChoice("kubernetes", IMAGE, {"gateway_host": "10.217.0.1"}).make("r").cfg.gateway_host  # type: ignore[attr-defined]
+    assert BackendChoice("kubernetes", IMAGE).gateway_host == "127.0.0.1"
+    assert BackendChoice("docker", IMAGE).gateway_host == "127.0.0.1"

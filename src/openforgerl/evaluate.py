@@ -48,6 +48,7 @@ def _service(opts: EvalOptions, engine: Engine | None, run_id: str) -> Iterator[
         raise ValueError("give --model DIR (served by an embedded gateway) or --gateway URL")
     cfg = GatewayConfig(
         model=opts.model,
+        host=opts.backend.gateway_host,
         port=0,
         store=str(opts.out / "gateway.db"),
         max_tokens=opts.max_tokens,

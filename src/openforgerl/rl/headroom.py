@@ -281,6 +281,7 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
     gw_cfg = GatewayConfig(
         model=str(model_dir),
         engine=opts.engine,
+        host=opts.backend.gateway_host,
         port=0,
         store=str(opts.out / "gateway.db"),  # the run's: a later `train --out` here reuses the rollouts
         max_tokens=opts.max_tokens,

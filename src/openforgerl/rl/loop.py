@@ -433,6 +433,7 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     gw_cfg = GatewayConfig(
         model=str(model_dir),
         engine=opts.engine,
+        host=opts.backend.gateway_host,
         port=0,
         store=str(run_dir / "gateway.db"),
         max_tokens=opts.max_tokens,

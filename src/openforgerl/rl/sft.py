@@ -281,7 +281,11 @@ def oracle_samples(
     solutions = reference_solutions() if tasks == "claw-basic" else {}
     teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work, solutions=solutions)
     gateway = GatewayConfig(
-        model=str(model_dir), port=0, store=str(out / "gateway.db"), max_tokens=max_tokens
+        model=str(model_dir),
+        host=backend.gateway_host,
+        port=0,
+        store=str(out / "gateway.db"),
+        max_tokens=max_tokens,
     )
     with embedded(gateway, teacher, backend.make(out.name)) as service:
         results = service.run(chosen, 1, job, progress=progress)

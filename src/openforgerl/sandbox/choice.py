@@ -60,6 +60,14 @@ class BackendChoice:
             raise ValueError(f"the kubernetes backend's settings: {exc}") from exc
         return KubernetesBackend(cfg)
 
+    @property
+    def gateway_host(self) -> str:
+        """Where a gateway embedded in the run (eval, train, sft --teacher) listens: loopback, or for
+        Kubernetes the settings' `gateway_host`, an address of this machine that Pods route to (such
+        as `make k8s-up`'s bridge), so that they reach the gateway at the runner's own URL."""
+        host = self.settings.get("gateway_host") if self.name == "kubernetes" else None
+        return str(host or "127.0.0.1")
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "image": self.image, "settings": dict(self.settings)}
 

@@ -115,6 +115,9 @@ class KubernetesConfig(BaseModel):
     namespace: str = "default"
     # The gateway as Pods reach it (its Service); None when Pods reach it at the runner's own URL.
     gateway_url: str | None = None
+    # Where a gateway embedded in the run (eval, train) listens instead of loopback: an address of the
+    # runner's machine that Pods route to (a one-node cluster's bridge), with gateway_url left unset.
+    gateway_host: str | None = None
     kubeconfig: str | None = None  # None: $KUBECONFIG or ~/.kube/config, or the in-cluster account
     context: str | None = None
     node_selector: dict[str, str] = Field(default_factory=dict)
