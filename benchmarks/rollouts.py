@@ -10,11 +10,15 @@ Measures, in one run, per sandbox backend (`--backends local docker`, side by si
    which includes its model calls), verifier, stop/close — and the runner's own overhead (everything
    that is neither the harness nor the verifier) as a share of the rollout's wall time.
 
-    .venv/bin/python benchmarks/rollouts.py [--quick] [--backends local docker] [--image IMAGE]
-        [--out benchmarks/results/rollouts.json]
+    .venv/bin/python benchmarks/rollouts.py [--quick] [--backends local docker kubernetes]
+        [--image IMAGE] [--backend-config K8S.yaml] [--out benchmarks/results/rollouts.json]
 
 docker needs a reachable engine ($DOCKER_HOST) with IMAGE (`make docker-base`); the harness runs on
 the image's python3 with its modules bound read-only, as `openforge eval --backend docker` does.
+kubernetes needs a cluster (`make k8s-up`), IMAGE holding the harness's modules
+(scripts/k8s_task_image.py) and the backend's settings (--backend-config: kubeconfig, namespace,
+gateway_host where Pods reach this machine, cpu_request_fraction); its start latency is a Pod's, from
+create to ready.
 
 Prints JSON (machine-readable) and a Markdown table. Medians, since this machine is noisy.
 """
@@ -30,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.harnesses.launch import python_binds, react_harness
@@ -86,11 +92,12 @@ async def throughput(cfg: RunnerConfig, tasks: list[Task], backend: SandboxBacke
 
 
 def measure(
-    name: str, image: str, levels: list[int], starts: int, quick: bool, gw: Any, tmp: str
+    choice: BackendChoice, levels: list[int], starts: int, quick: bool, gw: Any, tmp: str
 ) -> dict[str, Any]:
     """Start latency and throughput of one backend ("local": bwrap, beside a plain process)."""
+    name = choice.name
     latency: dict[str, float] = {}
-    backends: dict[str, SandboxBackend] = {name: BackendChoice(name, image=image).make(f"bench-{name}")}
+    backends: dict[str, SandboxBackend] = {name: choice.make(f"bench-{name}")}
     if name == "local":
         backends["plain"] = LocalBackend(bwrap=False)
     for label, backend in backends.items():
@@ -108,7 +115,7 @@ def measure(
             concurrency=level,
             ro_binds=python_binds(name),  # a container: the harness's modules for the image's python3
         )
-        backend = BackendChoice(name, image=image).make(run_cfg.run_id)
+        backend = choice.make(run_cfg.run_id)
         out["throughput"].append(asyncio.run(throughput(run_cfg, tasks[:n], backend)))
         print(name, json.dumps(out["throughput"][-1]), file=sys.stderr, flush=True)
     return out
@@ -117,19 +124,24 @@ def measure(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller counts: a smoke run of about a minute")
-    ap.add_argument("--backends", nargs="+", choices=["local", "docker"], default=["local"])
-    ap.add_argument("--image", default=DEFAULT_IMAGE, help="docker: the image the tasks run in")
+    ap.add_argument("--backends", nargs="+", choices=["local", "docker", "kubernetes"], default=["local"])
+    ap.add_argument("--image", default=DEFAULT_IMAGE, help="docker, kubernetes: the image the tasks run in")
+    ap.add_argument("--backend-config", default=None, help="kubernetes: the backend's settings (YAML)")
     ap.add_argument("--levels", type=int, nargs="+", help="concurrency levels (default 1 8 32; --quick 1 4)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     levels = args.levels or ([1, 4] if args.quick else [1, 8, 32])
     starts = 5 if args.quick else 20
     model = cached_model("tiny", 0)
+    k8s = yaml.safe_load(Path(args.backend_config).read_text()) if args.backend_config else {}
+    choices = [BackendChoice(b, args.image, k8s if b == "kubernetes" else {}) for b in args.backends]
+    # One gateway for every backend: where Pods reach it, when kubernetes is among them.
+    host = next((c.gateway_host for c in choices if c.name == "kubernetes"), "127.0.0.1")
     with tempfile.TemporaryDirectory() as tmp:
         engine = OracleTeacherEngine(model, load_tasks("tools-tiny", split="train"))
-        cfg = GatewayConfig(model=str(model), port=0, store=f"{tmp}/gw.db", max_tokens=128)
+        cfg = GatewayConfig(model=str(model), host=host, port=0, store=f"{tmp}/gw.db", max_tokens=128)
         with serve_in_thread(cfg, engine) as gw:
-            measured = {b: measure(b, args.image, levels, starts, args.quick, gw, tmp) for b in args.backends}
+            measured = {c.name: measure(c, levels, starts, args.quick, gw, tmp) for c in choices}
             report = {"backends": measured}
     print(json.dumps(report, indent=2))
     if args.out:
