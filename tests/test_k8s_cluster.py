@@ -34,7 +34,7 @@ from openforgerl.cli import main as cli
 from openforgerl.harnesses.launch import HarnessLaunch
 from openforgerl.rollouts.results import Status
 from openforgerl.rollouts.runner import Runner, RunnerConfig
-from openforgerl.sandbox import Limits, SandboxSpec, SandboxUnavailable
+from openforgerl.sandbox import Limits, SandboxSpec, SandboxStartError, SandboxUnavailable
 from openforgerl.sandbox.kubernetes import KubernetesBackend, KubernetesConfig
 from openforgerl.tasks import Task
 from tests.gateway_helpers import ScriptEngine, running_gateway
@@ -512,3 +512,21 @@ def test_openforge_train_runs_a_grpo_step_in_pods(
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps and steps[-1]["step"] == 1, steps
     assert not pods("rl")  # every Pod deleted with its rollout
+
+
+def test_a_pod_stuck_creating_says_why(image: str, namespace: str) -> None:
+    """A Pod whose sandbox the kubelet cannot make stays Pending (ContainerCreating) and its status
+    says nothing more: the error carries the Pod's last Warning event. Here: a RuntimeClass whose
+    handler the node's runtime lacks (dockershim knows none)."""
+    handler = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nowhere"}}
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(handler | {"handler": "nowhere"}))
+    be = backend("stuck", image, runtime_class="nowhere", start_timeout_s=20)
+    try:
+        with pytest.raises(
+            SandboxStartError,
+            match=r"not ready after 20 s: .*ContainerCreating.*last warning: FailedCreatePodSandBox",
+        ):
+            asyncio.run(be.create(SandboxSpec(limits=SMALL), "stuck-r1").start())
+    finally:
+        kubectl("delete", "runtimeclass", "nowhere", "--ignore-not-found")
+    wait_until(lambda: not pods("stuck"), what="the stuck Pod deleted")

@@ -749,9 +749,36 @@ class KubernetesSandbox(container.ContainerSandbox):
                 await asyncio.sleep(0.5)
             finally:
                 await w.close()
+        warning = await self._last_warning(session)
         raise SandboxStartError(
             f"sandbox {self.name} not ready after {self._cfg.start_timeout_s:.0f} s: {why}"
+            + (f"; the Pod's last warning: {warning}" if warning else "")
         )
+
+    async def _last_warning(self, session: _Session) -> str | None:
+        """The Pod's last Warning event, a failure first, in words: what a Pod stuck in
+        ContainerCreating shows nowhere else (its sandbox or volumes failing again and again, as
+        `kubectl describe` shows). None where there is none, or events may not be listed (RBAC)."""
+        try:
+            events = await session.core.list_namespaced_event(
+                self._cfg.namespace, field_selector=f"involvedObject.name={self.pod},type=Warning"
+            )
+        except (ApiException, aiohttp.ClientError) as e:
+            log.debug("pod %s: no events: %s", self.pod, str(e).splitlines()[0])
+            return None
+        if not events.items:
+            return None
+        # A failure (FailedCreatePodSandBox, FailedMount, BackOff, ...) over advice such as
+        # MissingClusterDNS, which a node without cluster DNS attaches to every Pod; then the latest.
+        last = max(
+            events.items,
+            key=lambda e: (
+                "Fail" in (e.reason or "") or "BackOff" in (e.reason or ""),
+                e.last_timestamp or e.event_time or e.metadata.creation_timestamp,
+            ),
+        )
+        times = f" ({last.count} times)" if (last.count or 1) > 1 else ""
+        return f"{last.reason}{times}: {(last.message or '').strip()[:500]}"
 
     async def _teardown(self) -> None:
         session, self._session = self._session, None
