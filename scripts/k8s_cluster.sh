@@ -121,7 +121,9 @@ build() {
     # to another package (Google's cloud SDK ships one).
     local tmp=$K8S_DIR/kubectl.tmp
     rm -rf "$tmp" && mkdir -p "$tmp"
-    (cd "$tmp" && apt-get download -qq kubernetes-client >/dev/null 2>&1) || die "apt-get download kubernetes-client failed"
+    (cd "$tmp" && { apt-get download -qq kubernetes-client >/dev/null 2>&1 ||
+      { apt-get update -qq && apt-get download -qq kubernetes-client >/dev/null; }; }) ||
+      die "apt-get download kubernetes-client failed"
     dpkg-deb -x "$tmp"/kubernetes-client_*.deb "$tmp/root"
     cp "$tmp/root/usr/bin/kubectl" "$BIN_DIR/kubectl"
     rm -rf "$tmp"

@@ -122,6 +122,13 @@ def test_the_node_is_ready_and_the_api_is_loopback_only() -> None:
     assert server.startswith("https://127.0.0.1:")
     version = json.loads(kubectl("version", "-o", "json"))["serverVersion"]
     assert version["gitVersion"] == "v1.20.2"
+    # Every port the cluster's programs listen on is on loopback, but the kubelet's, on the Pods' bridge.
+    listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    ours = [line.split() for line in listening.splitlines() if re.search(r'"(kube[-a-z]*|etcd)"', line)]
+    assert len(ours) >= 6, listening
+    for fields in ours:
+        address = fields[3].rsplit(":", 1)[0]
+        assert address == "127.0.0.1" or (address == POD_GATEWAY and '"kubelet"' in fields[-1]), fields
 
 
 def test_a_pod_from_the_task_image_runs_commands_and_moves_files(
