@@ -48,6 +48,7 @@ fetch_source() {
   apt_install dpkg-dev
   if ! apt-cache showsrc kubernetes 2>/dev/null | grep -q '^Version:'; then
     local suite
+    # shellcheck disable=SC1091
     suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
     log "adding a deb-src line for $suite (/etc/apt/sources.list.d/openforgerl-k8s-src.sources)"
     printf 'Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
@@ -65,7 +66,7 @@ fetch_source() {
 }
 
 gobuild() {
-  (cd "$SRC_DIR" && GOPATH=$K8S_DIR/gopath GO111MODULE=off CGO_ENABLED=0 GOFLAGS= GOCACHE=$K8S_DIR/gocache \
+  (cd "$SRC_DIR" && GOPATH=$K8S_DIR/gopath GO111MODULE=off CGO_ENABLED=0 GOFLAGS='' GOCACHE=$K8S_DIR/gocache \
     nice -n 19 "$GO" build "$@")
 }
 
@@ -79,7 +80,7 @@ gen_openapi() {
   local inputs
   # Every package with a +k8s:openapi-gen tag, staging/ named as vendor/ (hack/make-rules/helpers/cache_go_dirs.sh).
   inputs=$(cd "$SRC_DIR" && find -H . \( -path ./_\* -o -path ./.\* -o -path ./vendor -o -path ./debian \) -prune \
-      -o -type f -name '*.go' -print | xargs grep -l '^// *+k8s:' | xargs grep -l '+k8s:openapi-gen=' |
+      -o -type f -name '*.go' -print0 | xargs -0 grep -l '^// *+k8s:' | xargs grep -l '+k8s:openapi-gen=' |
     sed 's|^./staging/src|vendor|; s|^./||; s|/[^/]*$||' | grep -v -e '^vendor/k8s.io/code-generator/' \
       -e '^vendor/k8s.io/sample-apiserver/' | LC_ALL=C sort -u | sed 's|^|k8s.io/kubernetes/|' | paste -sd,)
   (cd "$SRC_DIR" && GOPATH=$K8S_DIR/gopath GO111MODULE=off nice -n 19 "$K8S_DIR/openapi-gen" --logtostderr \
@@ -132,7 +133,7 @@ build() {
     gcc -Os -static -o "$BIN_DIR/pause" "$SRC_DIR/build/pause/linux/pause.c" ||
       gcc -Os -o "$BIN_DIR/pause" "$SRC_DIR/build/pause/linux/pause.c"
   fi
-  log "built in $((SECONDS - started)) s: $(ls "$BIN_DIR" | tr '\n' ' ')"
+  log "built in $((SECONDS - started)) s into $BIN_DIR"
 }
 
 # -- the cluster -----------------------------------------------------------------------------------
