@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,14 +194,39 @@ def test_the_memory_limit_kills_and_says_oom(image: str, namespace: str) -> None
 
 
 def test_the_kubelet_enforces_the_deadline(image: str, namespace: str) -> None:
-    async def go() -> Any:
-        async with backend("deadline", image, deadline_s=8).create(
-            SandboxSpec(limits=SMALL), "deadline-r1"
-        ) as sb:
-            return await sb.exec("sleep 120")
+    """No wall time of the sandbox's own: only the kubelet, at activeDeadlineSeconds, ends the command."""
+    unbounded = SandboxSpec(limits=Limits(memory_bytes=256 << 20, cpus=0.2, wall_time_s=None))
 
-    late = asyncio.run(go())
+    async def go() -> tuple[Any, dict[str, Any]]:
+        async with backend("deadline", image, deadline_s=8, pod_check_s=2).create(
+            unbounded, "deadline-r1"
+        ) as sb:
+            late = await sb.exec("sleep 600")
+            [pod] = pods("deadline")
+            return late, pod
+
+    late, pod = asyncio.run(go())
+    assert (pod["status"]["phase"], pod["status"]["reason"]) == ("Failed", "DeadlineExceeded")
     assert late.killed_by == "wall-time" and late.timed_out, late
+
+
+def test_a_pod_deleted_under_a_command_is_an_infrastructure_failure(image: str, namespace: str) -> None:
+    """Someone else deletes the Pod mid-command: the runner's to retry, not the policy's failure."""
+
+    # No wall time: only the Pod's own end can end the command.
+    unbounded = SandboxSpec(limits=Limits(memory_bytes=256 << 20, cpus=0.2, wall_time_s=None))
+
+    async def go() -> None:
+        async with backend("deleted", image, pod_check_s=2).create(unbounded, "deleted-r1") as sb:
+            [pod] = pods("deleted")
+            threading.Timer(
+                2.0, kubectl, ("delete", "pod", "-n", NS, pod["metadata"]["name"], "--wait=false")
+            ).start()
+            with pytest.raises(SandboxStartError, match=r"deleted|gone"):
+                await sb.exec("sleep 600")
+
+    asyncio.run(go())
+    wait_until(lambda: not pods("deleted"), what="the deleted Pod gone")
 
 
 def test_deleting_a_runs_parent_deletes_its_pods(image: str, namespace: str) -> None:

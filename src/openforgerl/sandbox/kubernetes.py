@@ -141,6 +141,9 @@ class KubernetesConfig(BaseModel):
     api_attempts: int = Field(default=6, ge=1)  # per API call, on 429, 5xx and lost connections
     deadline_s: int | None = Field(default=None, ge=1)  # activeDeadlineSeconds; default from the limits
     heartbeat_s: float = Field(default=30.0, gt=0)
+    # While a command runs, its Pod is read this often: a Pod that ended (its deadline, an eviction, a
+    # deletion) ends the command, whose exec stream a real kubelet may leave open.
+    pod_check_s: float = Field(default=10.0, gt=0)
 
 
 # -- names and manifests --------------------------------------------------------------------------
@@ -832,33 +835,64 @@ class KubernetesSandbox(container.ContainerSandbox):
                 raise SandboxUnavailable(await self._exec_forbidden(session)) from e
             raise container.StreamLost(f"exec refused: {e.status} {e.message}") from e
         status = bytearray()
+
+        async def pump() -> None:
+            if stdin is not None:
+                for chunk in container.stdin_chunks(stdin, _CHUNK):
+                    await ws.send_bytes(bytes([_STDIN]) + chunk)
+                await ws.send_bytes(bytes([_CLOSE, _STDIN]))
+            async for msg in ws:
+                if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                    break
+                data = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
+                if not data:
+                    continue
+                if data[0] == _STDOUT:
+                    output.stdout.feed(data[1:])
+                elif data[0] == _STDERR:
+                    output.stderr.feed(data[1:])
+                elif data[0] == _STATUS:
+                    status.extend(data[1:])
+
+        reading = asyncio.ensure_future(pump())
+        ended = asyncio.ensure_future(self._until_pod_ends(session))
         try:
-            async with asyncio.timeout(wait_s):
-                if stdin is not None:
-                    for chunk in container.stdin_chunks(stdin, _CHUNK):
-                        await ws.send_bytes(bytes([_STDIN]) + chunk)
-                    await ws.send_bytes(bytes([_CLOSE, _STDIN]))
-                async for msg in ws:
-                    if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
-                        break
-                    data = msg.data if isinstance(msg.data, bytes) else msg.data.encode()
-                    if not data:
-                        continue
-                    if data[0] == _STDOUT:
-                        output.stdout.feed(data[1:])
-                    elif data[0] == _STDERR:
-                        output.stderr.feed(data[1:])
-                    elif data[0] == _STATUS:
-                        status += data[1:]
-        except TimeoutError as e:
-            raise container.StreamLost(f"no answer {wait_s:.0f} s into the command") from e
+            done, _ = await asyncio.wait(
+                {reading, ended}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if reading in done:
+                reading.result()
+            elif ended in done:
+                raise container.StreamLost(f"the Pod ended under the command: {ended.result()}")
+            else:
+                raise container.StreamLost(f"no answer {wait_s:.0f} s into the command")
         except aiohttp.ClientError as e:
             raise container.StreamLost(f"the exec stream broke: {e}") from e
         finally:
+            for task in (reading, ended):
+                task.cancel()
+            await asyncio.gather(reading, ended, return_exceptions=True)
             await ws.close()
         if not status:
             raise container.StreamLost("the exec stream ended without an exit status")
         return _exit_code(bytes(status))
+
+    async def _until_pod_ends(self, session: _Session) -> str:
+        """Returns why, once the Pod can no longer run a command (past its deadline, evicted, deleted):
+        a real kubelet (1.20, dockershim) kills the containers but may leave the exec stream open, so
+        the Pod is read every `pod_check_s` while a command runs (a short command reads it never)."""
+        while True:
+            await asyncio.sleep(self._cfg.pod_check_s)
+            try:
+                pod = await self._read(session)
+            except SandboxError as e:  # the API's trouble: the stream itself, or its wait, decides
+                log.debug("pod %s: not read during a command: %s", self.pod, e)
+                continue
+            if pod is None:
+                return f"pod {self.pod} is gone"
+            state, why = assess(pod)
+            if state not in (PodState.READY, PodState.PENDING):
+                return why
 
     async def _exec_forbidden(self, session: _Session) -> str:
         """Why exec was refused, naming the permissions: a refused WebSocket handshake carries no
