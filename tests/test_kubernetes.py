@@ -320,6 +320,7 @@ def cluster(local: LocalBackend) -> Iterator[FakeCluster]:
 def kubeconfig(cluster: FakeCluster, tmp_path: Path) -> str:
     cluster.faults.clear()
     cluster.denied.clear()
+    cluster.hold_killed_streams = False
     return str(cluster.kubeconfig(tmp_path / "kubeconfig"))
 
 
@@ -441,6 +442,24 @@ def test_deadline_and_oom_are_the_rollouts_own_outcomes(cluster: FakeCluster, ku
     late, hog = asyncio.run(go())
     assert late.timed_out and late.killed_by == "wall-time"
     assert hog.killed_by == "oom" and not hog.ok
+
+
+def test_a_pod_killed_under_a_command_ends_it_though_its_stream_stays_open(
+    cluster: FakeCluster, kubeconfig: str
+) -> None:
+    """A real kubelet kills a Pod at its deadline but leaves the exec stream open (test_k8s_cluster.py
+    hung there): the Pod, read while the command runs, ends it. No wall time of the sandbox's own."""
+    cluster.hold_killed_streams = True
+    unbounded = SandboxSpec(limits=Limits(wall_time_s=None))
+
+    async def go() -> Any:
+        async with backend(kubeconfig, "held", deadline_s=2, pod_check_s=0.3).create(
+            unbounded, "held-r1"
+        ) as sb:
+            return await sb.exec("sleep 60")
+
+    late = asyncio.run(go())
+    assert late.timed_out and late.killed_by == "wall-time", late
 
 
 def test_eviction_mid_command_is_an_infrastructure_failure(cluster: FakeCluster, kubeconfig: str) -> None:

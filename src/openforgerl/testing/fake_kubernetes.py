@@ -123,6 +123,9 @@ class FakeCluster:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     denied: set[tuple[str, str, str]] = field(default_factory=set)  # (verb, resource, subresource)
     runtime_classes: set[str] = field(default_factory=set)
+    # As a real kubelet (1.20, dockershim) does: a Pod killed under a command (its deadline, an
+    # eviction) leaves that command's exec stream open until the client goes away.
+    hold_killed_streams: bool = False
     # Checks every created object, as admission would: an error message rejects it with 422.
     admit: Callable[[dict[str, Any]], str | None] | None = None
     local: LocalBackend = field(default_factory=LocalBackend)
@@ -469,6 +472,10 @@ class FakeCluster:
             await asyncio.wait([run, gone], return_when=asyncio.FIRST_COMPLETED)
             if not run.done():
                 run.cancel()  # the client went away: the local sandbox kills the command's tree
+                return
+            if self.hold_killed_streams and pod["status"].get("phase") == "Failed":
+                while (await gone)["type"] != "websocket.disconnect":
+                    gone = asyncio.ensure_future(ws.receive())
                 return
             gone.cancel()
             try:
