@@ -239,7 +239,7 @@ make_pki() {
 # oom_score_adj to 0 and changes nothing else: the kernel's OOM killer then prefers those processes
 # no less than any other, which is all that is lost.
 write_runc_wrapper() {
-  cat >"$RUN_DIR/runc-oom-clamp" <<'EOF'
+  cat >"$DOCKER_DIR/runc-oom-clamp" <<'EOF'
 #!/bin/sh
 prev=
 for a in "$@"; do
@@ -259,7 +259,7 @@ if proc.get("oomScoreAdj", 0) < 0:
 fi
 exec runc "$@"
 EOF
-  chmod 755 "$RUN_DIR/runc-oom-clamp"
+  chmod 755 "$DOCKER_DIR/runc-oom-clamp"
 }
 
 start_docker() {
@@ -270,7 +270,7 @@ start_docker() {
     if ! sh -c 'echo -1 >/proc/self/oom_score_adj' 2>/dev/null; then
       log "no CAP_SYS_RESOURCE here: runc runs with negative oom_score_adj raised to 0 (runc-oom-clamp)"
       write_runc_wrapper
-      runtime=(--add-runtime "oom-clamp=$RUN_DIR/runc-oom-clamp" --default-runtime oom-clamp)
+      runtime=(--add-runtime "oom-clamp=$DOCKER_DIR/runc-oom-clamp" --default-runtime oom-clamp)
     fi
     start dockerd dockerd --iptables=false --ip6tables=false --bridge=none --data-root "$DOCKER_DIR/data" \
       --exec-root "$DOCKER_DIR/exec" --host "$DOCKER_SOCK" --pidfile "$DOCKER_DIR/dockerd.pid" "${runtime[@]}"
