@@ -50,9 +50,14 @@ fetch_source() {
     local suite
     # shellcheck disable=SC1091
     suite=$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")
+    local uri
+    # The same archive the system's binary packages come from (its first deb source).
+    uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null)
+    [ -n "$uri" ] || uri=$(awk '$1 == "deb" {print ($2 ~ /^\[/ ? $3 : $2); exit}' /etc/apt/sources.list 2>/dev/null)
+    [ -n "$uri" ] || die "no Debian archive found in the apt sources to add a deb-src line for"
     log "adding a deb-src line for $suite (/etc/apt/sources.list.d/openforgerl-k8s-src.sources)"
-    printf 'Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-      "$suite" >/etc/apt/sources.list.d/openforgerl-k8s-src.sources
+    printf 'Types: deb-src\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$uri" "$suite" >/etc/apt/sources.list.d/openforgerl-k8s-src.sources
     apt-get update -qq
   fi
   local tmp=$K8S_DIR/src.tmp
