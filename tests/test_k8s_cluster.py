@@ -39,6 +39,7 @@ from openforgerl.sandbox import Limits, SandboxSpec, SandboxStartError, SandboxU
 from openforgerl.sandbox.kubernetes import KubernetesBackend, KubernetesConfig
 from openforgerl.tasks import Task
 from tests.gateway_helpers import ScriptEngine, running_gateway
+from tests.kube_helpers import word_tasks
 
 pytestmark = [
     pytest.mark.k8s,
@@ -281,19 +282,6 @@ async def agent(task: Task, base_url: str, api_key: str, sandbox: Any) -> Harnes
     return HarnessLaunch(argv, env, {"/tmp/agent.py": AGENT, "/tmp/task.txt": task.instruction})
 
 
-def word_tasks(n: int) -> list[Task]:
-    return [
-        Task(
-            id=f"word-{i}",
-            instruction=f"Say the magic word: magic-{i}-word",
-            split="test",
-            verifier={"command": f"grep -qx 'magic-{i}-word' answer.txt"},
-            timeout=120,
-        )
-        for i in range(n)
-    ]
-
-
 def test_eight_rollouts_at_once_reach_the_gateway_and_nothing_else(
     image: str, namespace: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -321,7 +309,7 @@ def test_eight_rollouts_at_once_reach_the_gateway_and_nothing_else(
 
         async def go() -> Any:
             try:
-                return await runner.run(word_tasks(8))
+                return await runner.run(word_tasks(8, timeout=120))
             finally:
                 await runner.close()
 

@@ -48,6 +48,7 @@ from openforgerl.sandbox.local import LocalBackend
 from openforgerl.tasks import Task
 from openforgerl.testing.fake_kubernetes import FakeCluster, Fault, fake_cluster
 from tests.gateway_helpers import ScriptEngine, running_gateway
+from tests.kube_helpers import word_tasks
 
 K8S_VERSION = "1.33.0"
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
@@ -494,19 +495,6 @@ async def agent(task: Task, base_url: str, api_key: str, sandbox: Any) -> Harnes
     )
 
 
-def word_tasks(n: int) -> list[Task]:
-    return [
-        Task(
-            id=f"word-{i}",
-            instruction=f"Say the magic word: magic-{i}-word",
-            split="test",
-            verifier={"command": f"grep -qx 'magic-{i}-word' answer.txt"},
-            timeout=60,
-        )
-        for i in range(n)
-    ]
-
-
 def test_runner_runs_16_rollouts_at_once_in_pods(
     cluster: FakeCluster, kubeconfig: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -526,7 +514,7 @@ def test_runner_runs_16_rollouts_at_once_in_pods(
 
         async def go() -> Any:
             try:
-                return await runner.run(word_tasks(16))
+                return await runner.run(word_tasks(16, timeout=60))
             finally:
                 await runner.close()
 
