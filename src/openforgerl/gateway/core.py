@@ -2,19 +2,19 @@
 
 A dialect translator turns a request into a `Conversation`; the gateway's route skeleton
 (gateway/routes.py) prepares and runs it here (`prepare`, `run`, `release`), and the dialect turns
-the `CallOutcome` back into its wire format. Nothing here knows a dialect.
+the `CallOutcome` back into its wire format. Nothing here knows a dialect. What a call is and how it
+is recorded lives in `calls.py` (re-exported here); the open rollouts in `sessions.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import inspect
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from openforgerl.conversation import Conversation, Message, ToolCall
@@ -27,60 +27,40 @@ from openforgerl.engines.base import (
     SamplingParams,
 )
 from openforgerl.engines.parsers import parse_completion, prompt_opens_reasoning
+from openforgerl.gateway.calls import (
+    CallOutcome,
+    PreparedCall,
+    Session,
+    call_row,
+    hash_key,
+    injected_fault,
+    message_from_record,
+    recorded_message,
+)
 from openforgerl.gateway.errors import (
     ENGINE_UNAVAILABLE,
-    ErrorKind,
     GatewayError,
     bad_request,
     context_length_exceeded,
 )
+from openforgerl.gateway.sessions import Sessions
 from openforgerl.gateway.streaming import AnswerStream, Emit, message_deltas
-from openforgerl.gateway.upstream import TextMemory, Upstream
+from openforgerl.gateway.upstream import Upstream
 from openforgerl.gateway.workers import Workers
-from openforgerl.images import Image
-from openforgerl.rendering import ChatRenderer, PromptPlan, TokenMemory, message_images
+from openforgerl.rendering import ChatRenderer, PromptPlan, message_images
 from openforgerl.sampling import SamplingPolicy
 from openforgerl.store import CallRow, RolloutRow, Store
 
-
-def injected_fault(status: int) -> GatewayError:
-    kinds: dict[int, ErrorKind] = {429: "rate_limit", 500: "internal", 503: "unavailable", 529: "unavailable"}
-    return GatewayError(
-        status,
-        f"Injected fault {status} (requested through the admin API).",
-        kind=kinds.get(status, "internal"),
-        retry_after=1 if status in (429, 503, 529) else None,
-    )
-
-
-def recorded_message(m: Message) -> dict[str, Any]:
-    """A message as a call's record keeps it: the template's shape, with its text as a string and
-    its images as digests (the bytes are in the store's images table, once each)."""
-    out = m.template_dict()
-    if m.images:
-        out["content"] = m.content
-        out["images"] = [im.digest for im in m.images]
-    return out
-
-
-def message_from_record(record: Mapping[str, Any], images: Mapping[str, Image]) -> Message:
-    """A message as `recorded_message` (or `Message.template_dict`, for an answer) kept it; `images`:
-    the images it names, by digest (KeyError for one that is missing)."""
-    content = record.get("content") or ""
-    if not isinstance(content, str):  # a template's parts: the text part (images are named apart)
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return Message(
-        role=record["role"],
-        content=content,
-        reasoning=record.get("reasoning_content") or "",
-        tool_calls=[
-            ToolCall(c["function"]["name"], c["function"]["arguments"], c.get("id") or "")
-            for c in record.get("tool_calls") or []
-        ],
-        tool_call_id=record.get("tool_call_id") or "",
-        name=record.get("name") or "",
-        images=[images[d] for d in record.get("images") or []],
-    )
+__all__ = [
+    "CallOutcome",
+    "GatewayCore",
+    "PreparedCall",
+    "Session",
+    "hash_key",
+    "injected_fault",
+    "message_from_record",
+    "recorded_message",
+]
 
 
 def _takes(function: Any, name: str) -> bool:
@@ -90,59 +70,6 @@ def _takes(function: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def hash_key(api_key: str) -> str:
-    return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-@dataclass
-class Session:
-    """A live rollout: its row, its token memory and its call counter."""
-
-    rollout: RolloutRow
-    memory: TokenMemory
-    policy: SamplingPolicy
-    next_seq: int = 0
-    # Errors to answer the next calls with, for testing a harness's retry logic (admin API).
-    faults: list[int] = field(default_factory=list)
-    # The upstream that answers this rollout's calls instead of the policy ('' = the policy); its
-    # name is kept in the rollout's metadata, so a restarted gateway routes the rollout alike.
-    upstream: str = ""
-
-
-@dataclass(slots=True)
-class PreparedCall:
-    session: Session
-    conv: Conversation
-    plan: PromptPlan
-    params: SamplingParams | None  # None for an upstream's call
-    used: dict[str, Any]
-    seq: int
-    started: float
-    released: bool = False
-    upstream_body: dict[str, Any] | None = None  # the request an upstream gets
-    images: list[Image] = field(default_factory=list)  # the prompt's images, in order
-    # The dialect's id for the response, and what it keeps with it, recorded with the call if it
-    # succeeds (the Responses API's previous_response_id is served from these after a restart).
-    response_id: str = ""
-    response_context: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class CallOutcome:
-    call_id: int
-    message: Message
-    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    policy_version: int  # -1 when an upstream answered (its counts above are its own)
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    parse_errors: list[str] = field(default_factory=list)
-    stop_reason: str | int | None = None  # the stop string or token id that ended generation
 
 
 class GatewayCore:
@@ -174,8 +101,7 @@ class GatewayCore:
         self._chars_per_token = 2 * renderer.max_token_chars
         self.max_inflight = max_inflight
         self.inflight = 0
-        self._by_key: dict[str, Session] = {}
-        self._by_id: dict[str, Session] = {}
+        self.sessions = Sessions(store, renderer, self.policy, self.upstreams)
         self._background: set[asyncio.Task[Any]] = set()
         self.counters = {
             "calls": 0,
@@ -188,7 +114,7 @@ class GatewayCore:
             "stream_mismatches": 0,
         }
 
-    # -- rollouts -----------------------------------------------------------------------
+    # -- rollouts (gateway/sessions.py) ---------------------------------------------------
     async def create_rollout(
         self,
         *,
@@ -198,94 +124,21 @@ class GatewayCore:
         sampling: dict[str, Any] | None = None,
         upstream: str = "",
     ) -> tuple[Session, str]:
-        try:
-            policy = self.policy.merged(sampling)
-        except (TypeError, ValueError) as exc:
-            raise bad_request(str(exc), param="sampling") from exc
-        if "upstream" in (metadata or {}):
-            raise bad_request("'metadata.upstream' is reserved: give 'upstream' instead.", param="metadata")
-        if upstream:
-            if upstream not in self.upstreams:
-                known = ", ".join(sorted(self.upstreams)) or "none (start the gateway with --upstream)"
-                raise bad_request(
-                    f"Unknown upstream '{upstream}'; this gateway's upstreams: {known}.", param="upstream"
-                )
-            metadata = {**(metadata or {}), "upstream": upstream}
-        rollout_id = "ro_" + secrets.token_hex(8)
-        api_key = "ofk-" + secrets.token_urlsafe(24)
-        row = RolloutRow(
-            id=rollout_id,
-            run_id=run_id,
-            task_id=task_id,
-            key_hash=hash_key(api_key),
-            metadata=metadata or {},
-            sampling=sampling or {},
-            created_at=time.time(),
+        return await self.sessions.create(
+            run_id=run_id, task_id=task_id, metadata=metadata, sampling=sampling, upstream=upstream
         )
-        await self.store.create_rollout(row)
-        session = Session(row, self._memory(upstream), policy, upstream=upstream)
-        self._remember(session)
-        return session, api_key
-
-    def _memory(self, upstream: str) -> TokenMemory:
-        return TextMemory(self.renderer) if upstream else TokenMemory(self.renderer)
-
-    def _remember(self, session: Session) -> None:
-        self._by_key[session.rollout.key_hash] = session
-        self._by_id[session.rollout.id] = session
 
     async def session_for_key(self, api_key: str) -> Session | None:
         """The open rollout this key belongs to, rebuilt from the store after a restart."""
-        key_hash = hash_key(api_key)
-        session = self._by_key.get(key_hash)
-        if session is not None:
-            return session
-        row = await self.store.rollout_by_key_hash(key_hash)
-        if row is None:
-            return None
-        return await self._restore(row)
+        return await self.sessions.for_key(api_key)
 
     async def session_for_id(self, rollout_id: str) -> Session | None:
-        session = self._by_id.get(rollout_id)
-        if session is not None:
-            return session
-        row = await self.store.get_rollout(rollout_id)
-        return None if row is None else await self._restore(row)
-
-    async def _restore(self, row: RolloutRow) -> Session:
-        existing = self._by_id.get(row.id)
-        if existing is not None:
-            return existing
-        if row.status != "open":
-            # A closed rollout takes no calls: its row is all an admin update or a refusal needs.
-            return Session(row, TokenMemory(self.renderer), self.policy.merged(row.sampling))
-        upstream = str(row.metadata.get("upstream") or "")
-        memory = self._memory(upstream)
-        calls = await self.store.calls(row.id)
-        prompts = Store.full_prompts(calls)
-        for c in calls:
-            assert c.id is not None
-            if c.status == "ok" and c.memory:
-                memory.restore(c.id, c.branch_id, c.memory, prompts[c.id] + c.completion_ids)
-            memory.next_branch_id = max(memory.next_branch_id, c.branch_id + 1)
-        session = Session(
-            row, memory, self.policy.merged(row.sampling), next_seq=len(calls), upstream=upstream
-        )
-        self._remember(session)
-        return session
+        return await self.sessions.for_id(rollout_id)
 
     async def close_rollout(
         self, session: Session, *, status: str, reward: float | None, details: dict[str, Any] | None
     ) -> RolloutRow:
-        row = await self.store.update_rollout(
-            session.rollout.id, status=status, reward=reward, details=details
-        )
-        assert row is not None
-        session.rollout = row
-        # A closed rollout takes no more calls; its token memory is no longer needed.
-        self._by_key.pop(row.key_hash, None)
-        self._by_id.pop(row.id, None)
-        return row
+        return await self.sessions.close(session, status=status, reward=reward, details=details)
 
     # -- one model call -----------------------------------------------------------------
     async def prepare(self, session: Session, conv: Conversation) -> PreparedCall:
@@ -444,46 +297,6 @@ class GatewayCore:
         finally:
             self.release(call)
 
-    def _call_row(self, call: PreparedCall, status: str, error: str, message: Message | None) -> CallRow:
-        """The record of a call, without what an engine returned (no ids, logprobs or version)."""
-        conv, plan = call.conv, call.plan
-        return CallRow(
-            rollout_id=call.session.rollout.id,
-            seq=call.seq,
-            branch_id=-1,
-            parent_call_id=plan.parent.call_id if plan.parent else None,
-            branch_reason=plan.miss_reason,
-            dialect=conv.dialect,
-            model=conv.model,
-            engine=self.engine.name,
-            status=status,
-            error=error,
-            policy_version=None,
-            prompt_prefix_len=plan.prefix_len,
-            prompt_delta=plan.prompt_ids[plan.prefix_len :],
-            prompt_tokens=len(plan.prompt_ids),
-            completion_ids=[],
-            completion_logprobs=[],
-            finish_reason="abort" if status == "aborted" else None,
-            stop_reason=None,
-            sampling_requested={
-                **asdict(conv.sampling),
-                "tools": len(conv.tools),
-                "tool_choice": conv.tool_choice,
-                "response_format": conv.response_format,
-                # The definitions once per branch: the calls extending it were given the same ones.
-                **({"tool_definitions": [t.template_dict() for t in conv.tools]} if not plan.parent else {}),
-            },
-            sampling_used=call.used,
-            messages_delta=[recorded_message(m) for m in conv.messages[plan.first_new_message :]],
-            response=message.template_dict() if message else {},
-            parse_errors=[],
-            memory={},
-            created_at=call.started,
-            latency_ms=(time.time() - call.started) * 1000,
-            image_digests=[im.digest for im in call.images],
-        )
-
     async def _run(self, call: PreparedCall, on_delta: Emit | None) -> CallOutcome:
         plan = call.plan
         assert call.params is not None
@@ -499,7 +312,7 @@ class GatewayCore:
         def record(
             status: str, error: str, result: GenerateResult | None, message: Message | None
         ) -> CallRow:
-            row = self._call_row(call, status, error, message)
+            row = call_row(call, self.engine.name, status, error, message)
             if result is not None:
                 row.policy_version = result.policy_version
                 row.completion_ids = result.completion_ids
@@ -569,7 +382,7 @@ class GatewayCore:
         assert call.upstream_body is not None
 
         def record(status: str, error: str, message: Message | None, model: str) -> CallRow:
-            row = self._call_row(call, status, error, message)
+            row = call_row(call, self.engine.name, status, error, message)
             row.engine, row.model = upstream.engine_name, model
             row.sampling_requested["model"] = call.conv.model  # the name the harness asked for
             return row
@@ -698,7 +511,7 @@ class GatewayCore:
     def stats(self) -> dict[str, Any]:
         return {
             "inflight": self.inflight,
-            "open_sessions": len(self._by_id),
+            "open_sessions": len(self.sessions),
             "policy_version": self.engine.policy_version,
             "upstreams": sorted(self.upstreams),
             **self.counters,
