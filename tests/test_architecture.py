@@ -177,3 +177,34 @@ def test_no_import_reaches_up_the_layers() -> None:
 def test_the_package_root_imports_nothing_of_the_package() -> None:
     # Every layer may import the root (its version): it must stay below them all.
     assert not [i for i in imports() if i.source == PACKAGE]
+
+
+def sandbox_modules(src: Path = SRC) -> tuple[str, ...]:
+    """harnesses/launch.py's SANDBOX_MODULES, read from its source (its expression evaluated alone)."""
+    tree = ast.parse((src / PACKAGE / "harnesses" / "launch.py").read_text())
+    value = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", "") == "SANDBOX_MODULES" for t in node.targets)
+    )
+    return tuple(eval(compile(ast.Expression(value), "SANDBOX_MODULES", "eval"), {}))
+
+
+def test_what_a_sandbox_sees_of_the_package_is_closed_under_its_imports() -> None:
+    # The built-in harnesses and the local sites run inside a sandbox that sees only SANDBOX_MODULES of
+    # the package: a module split in two must bring its new half along.
+    mods = modules()
+    seen = {
+        name for name, path in mods.items() if path.relative_to(SRC / PACKAGE).as_posix() in sandbox_modules()
+    }
+    assert "openforgerl.harnesses.react" in seen and "openforgerl.web.serve" in seen, seen
+    missing = [
+        f"{i.where}: {i.source} imports {i.target}"
+        for i in imports()
+        if i.source in seen and i.target not in seen and not i.typing_only  # those never run
+    ]
+    assert not missing, (
+        "imports of modules that a sandbox does not see (harnesses/launch.py SANDBOX_MODULES):\n"
+        + ("\n".join(missing))
+    )

@@ -189,6 +189,7 @@ SANDBOX_MODULES = (
     "harnesses/builtin.py",
     "harnesses/react.py",
     "harnesses/gui.py",
+    "harnesses/gui_browser.py",
     *(f"web/{m}.py" for m in ("__init__", "common", "serve", "shop", "booking", "wiki", "settings")),
 )
 
