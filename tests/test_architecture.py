@@ -208,3 +208,17 @@ def test_what_a_sandbox_sees_of_the_package_is_closed_under_its_imports() -> Non
         "imports of modules that a sandbox does not see (harnesses/launch.py SANDBOX_MODULES):\n"
         + ("\n".join(missing))
     )
+
+
+MAX_LINES = 600
+# Modules allowed past MAX_LINES for now, each until it is split (issue #39): demo.py is being rewritten
+# on the run-owner layer, which shortens it, by another change.
+TOO_LONG_FOR_NOW = {"openforgerl.demo"}
+
+
+def test_no_module_is_over_600_lines() -> None:
+    lengths = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    long = {name: n for name, n in lengths.items() if n > MAX_LINES and name not in TOO_LONG_FOR_NOW}
+    assert not long, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
+    done = sorted(name for name in TOO_LONG_FOR_NOW if lengths.get(name, 0) <= MAX_LINES)
+    assert not done, f"at most {MAX_LINES} lines now (or gone): take them out of TOO_LONG_FOR_NOW: {done}"
