@@ -134,6 +134,33 @@ def pod_deadline(cfg: KubernetesConfig, spec: SandboxSpec) -> int:
     return math.ceil(3 * wall) + 300 if wall else 86400
 
 
+def pod_volumes(
+    cfg: KubernetesConfig, spec: SandboxSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A Pod's volumes and the container's mounts of them: an emptyDir for the work dir, HOME, /tmp
+    and each extra dir, and the harnesses' claim read-only when there is one."""
+    size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
+    workdir, home, tmp, *extra = container.sandbox_roots(spec)
+    volumes: list[dict[str, Any]] = [
+        {"name": "workspace", "emptyDir": dict(size)},
+        {"name": "home", "emptyDir": dict(size)},
+        {"name": "tmp", "emptyDir": dict(size)},
+        *({"name": f"extra-{i}", "emptyDir": dict(size)} for i in range(len(extra))),
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "workspace", "mountPath": workdir},
+        {"name": "home", "mountPath": home},
+        {"name": "tmp", "mountPath": tmp},
+        *({"name": f"extra-{i}", "mountPath": path} for i, path in enumerate(extra)),
+    ]
+    if cfg.harness_claim:
+        volumes.append(
+            {"name": "harnesses", "persistentVolumeClaim": {"claimName": cfg.harness_claim, "readOnly": True}}
+        )
+        mounts.append({"name": "harnesses", "mountPath": cfg.harness_path, "readOnly": True})
+    return volumes, mounts
+
+
 def pod_manifest(
     cfg: KubernetesConfig, spec: SandboxSpec, name: str, parent_uid: str | None = None
 ) -> dict[str, Any]:
@@ -174,25 +201,8 @@ def pod_manifest(
         ]
     inside = (cfg.gateway_url or spec.gateway_url) if spec.network != "none" else None
     env = container.base_env(rewrite_gateway(spec.env, spec.gateway_url, inside), inside)
-    size = {"sizeLimit": cfg.ephemeral_storage} if cfg.ephemeral_storage else {}
-    workdir, home, tmp, *extra = container.sandbox_roots(spec)
-    volumes: list[dict[str, Any]] = [
-        {"name": "workspace", "emptyDir": dict(size)},
-        {"name": "home", "emptyDir": dict(size)},
-        {"name": "tmp", "emptyDir": dict(size)},
-        *({"name": f"extra-{i}", "emptyDir": dict(size)} for i in range(len(extra))),
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "workspace", "mountPath": workdir},
-        {"name": "home", "mountPath": home},
-        {"name": "tmp", "mountPath": tmp},
-        *({"name": f"extra-{i}", "mountPath": path} for i, path in enumerate(extra)),
-    ]
-    if cfg.harness_claim:
-        volumes.append(
-            {"name": "harnesses", "persistentVolumeClaim": {"claimName": cfg.harness_claim, "readOnly": True}}
-        )
-        mounts.append({"name": "harnesses", "mountPath": cfg.harness_path, "readOnly": True})
+    workdir = container.sandbox_roots(spec)[0]
+    volumes, mounts = pod_volumes(cfg, spec)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": pod_deadline(cfg, spec),
