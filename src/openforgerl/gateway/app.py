@@ -118,7 +118,7 @@ class Gateway:
         for name in ("metadata", "sampling"):
             if not isinstance(data.get(name, {}), dict):
                 raise bad_request(f"'{name}' must be an object.", param=name)
-        session, api_key = await self.core.create_rollout(
+        session, api_key = await self.core.sessions.create(
             run_id=data.get("run_id", ""),
             task_id=data.get("task_id", ""),
             metadata=data.get("metadata"),
@@ -150,7 +150,7 @@ class Gateway:
         return JSONResponse({"rollouts": [r.public() for r in rows]})
 
     async def _rollout_or_404(self, request: Request) -> Session:
-        session = await self.core.session_for_id(request.path_params["rollout_id"])
+        session = await self.core.sessions.for_id(request.path_params["rollout_id"])
         if session is None:
             raise GatewayError(404, f"No rollout {request.path_params['rollout_id']}.", kind="not_found")
         return session
@@ -288,7 +288,7 @@ class Gateway:
             assert row is not None
             session.rollout = row
         else:
-            row = await self.core.close_rollout(session, status=status, reward=reward, details=details)
+            row = await self.core.sessions.close(session, status=status, reward=reward, details=details)
         return JSONResponse(row.public())
 
     async def admin_close_rollout(self, request: Request) -> Response:

@@ -49,7 +49,7 @@ from openforgerl.gateway.upstream import Upstream
 from openforgerl.gateway.workers import Workers
 from openforgerl.rendering import ChatRenderer, PromptPlan, message_images
 from openforgerl.sampling import SamplingPolicy
-from openforgerl.store import CallRow, RolloutRow, Store
+from openforgerl.store import CallRow, Store
 
 __all__ = [
     "CallOutcome",
@@ -101,7 +101,7 @@ class GatewayCore:
         self._chars_per_token = 2 * renderer.max_token_chars
         self.max_inflight = max_inflight
         self.inflight = 0
-        self.sessions = Sessions(store, renderer, self.policy, self.upstreams)
+        self.sessions = Sessions(store, renderer, self.policy, self.upstreams)  # the open rollouts
         self._background: set[asyncio.Task[Any]] = set()
         self.counters = {
             "calls": 0,
@@ -113,32 +113,6 @@ class GatewayCore:
             "upstream_calls": 0,
             "stream_mismatches": 0,
         }
-
-    # -- rollouts (gateway/sessions.py) ---------------------------------------------------
-    async def create_rollout(
-        self,
-        *,
-        run_id: str = "",
-        task_id: str = "",
-        metadata: dict[str, Any] | None = None,
-        sampling: dict[str, Any] | None = None,
-        upstream: str = "",
-    ) -> tuple[Session, str]:
-        return await self.sessions.create(
-            run_id=run_id, task_id=task_id, metadata=metadata, sampling=sampling, upstream=upstream
-        )
-
-    async def session_for_key(self, api_key: str) -> Session | None:
-        """The open rollout this key belongs to, rebuilt from the store after a restart."""
-        return await self.sessions.for_key(api_key)
-
-    async def session_for_id(self, rollout_id: str) -> Session | None:
-        return await self.sessions.for_id(rollout_id)
-
-    async def close_rollout(
-        self, session: Session, *, status: str, reward: float | None, details: dict[str, Any] | None
-    ) -> RolloutRow:
-        return await self.sessions.close(session, status=status, reward=reward, details=details)
 
     # -- one model call -----------------------------------------------------------------
     async def prepare(self, session: Session, conv: Conversation) -> PreparedCall:

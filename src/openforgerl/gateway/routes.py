@@ -71,7 +71,7 @@ class Routes:
         key = api_key_of(conn)
         if key is None:
             raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'.")
-        session = await self.core.session_for_key(key)
+        session = await self.core.sessions.for_key(key)
         if session is None:
             raise unauthorized()
         prefix = conn.path_params.get("rollout_id")
