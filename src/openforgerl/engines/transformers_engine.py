@@ -75,7 +75,7 @@ from openforgerl.engines.transformers_batch import (
     stream,
 )
 from openforgerl.engines.transformers_sampler import end_of, sample
-from openforgerl.engines.transformers_weights import validated_state
+from openforgerl.engines.transformers_weights import validated_state, validated_tensors
 from openforgerl.images import Image
 from openforgerl.rendering import generation_eos_ids
 from openforgerl.vision import (
@@ -297,6 +297,16 @@ class TransformersEngine:
         """
         self._check_running()
         state = await asyncio.to_thread(validated_state, path, self._model)
+        return await self._swap(state)
+
+    async def load_state(self, state: dict[str, torch.Tensor]) -> int:
+        """`load_weights` from named tensors in memory (a trainer's, e.g. veRL's FSDP actor): checked
+        against the model the same way, applied once no row is mid-generation; the new version."""
+        self._check_running()
+        state = await asyncio.to_thread(validated_tensors, dict(state), self._model, "the new weights")
+        return await self._swap(state)
+
+    async def _swap(self, state: dict[str, torch.Tensor]) -> int:
         loop = asyncio.get_running_loop()
         swap = Swap(state=state, loop=loop, future=loop.create_future())
         with self._cond:

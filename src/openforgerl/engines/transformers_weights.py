@@ -50,17 +50,25 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 def validated_state(path: str, model: Any) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, checked against the model so a swap never half-applies."""
-    state = checkpoint_names_to_model(read_state_dict(path), model)
+    return validated_tensors(read_state_dict(path), model, f"checkpoint {path}")
+
+
+def validated_tensors(
+    state: dict[str, torch.Tensor], model: Any, source: str = "the weights"
+) -> dict[str, torch.Tensor]:
+    """Named tensors (a checkpoint's, or a trainer's in memory) renamed to the model's parameters and
+    checked against them: no unknown name, no missing tensor, every shape right."""
+    state = checkpoint_names_to_model(state, model)
     params = model.state_dict()
     unexpected = sorted(set(state) - set(params))
     if unexpected:
-        raise EngineError(f"checkpoint {path} has tensors the model lacks: {unexpected[:5]}")
+        raise EngineError(f"{source} has tensors the model lacks: {unexpected[:5]}")
     # Tied weights (e.g. lm_head = embed_tokens) are saved once; they share storage in the model.
     loaded_ptrs = {params[k].data_ptr() for k in state}
     missing = sorted(k for k in set(params) - set(state) if params[k].data_ptr() not in loaded_ptrs)
     if missing:
-        raise EngineError(f"checkpoint {path} lacks tensors: {missing[:5]}")
+        raise EngineError(f"{source} lacks tensors: {missing[:5]}")
     for k, t in state.items():
         if t.shape != params[k].shape:
-            raise EngineError(f"checkpoint {path}: {k} has shape {tuple(t.shape)}, want {params[k].shape}")
+            raise EngineError(f"{source}: {k} has shape {tuple(t.shape)}, want {params[k].shape}")
     return state

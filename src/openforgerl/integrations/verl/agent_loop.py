@@ -54,6 +54,7 @@ from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import OnFailure, OnTimeout
 from openforgerl.rollouts.service import RolloutJob, RolloutService
+from openforgerl.sampling import derive_seed
 from openforgerl.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class LoopOptions:
     infra_retries: int = 2
     include_side_requests: bool = True  # titles, routers: their own samples, with the reward
     store_dir: str | None = None  # where each worker's gateway writes its SQLite file; None: a temp dir
+    # Seeded sampling: a rollout's calls draw seeds from (seed, step, task, sample); None: unseeded.
+    seed: int | None = None
+    # Read by the launcher, not the loop: "cpu" runs veRL on the project's CPU platform.
+    device: str | None = None
 
     @classmethod
     def build(cls, section: Any, overrides: Mapping[str, Any]) -> LoopOptions:
@@ -263,7 +268,18 @@ class OpenForgeAgentLoop(AgentLoopBase):
                 "top_p": float(sampling_params.get("top_p", 1.0)),
             },
             include_side_requests=o.include_side_requests,
+            seed=self._seed(task, row),
         )
+
+    def _seed(self, task: Task, row: Mapping[str, Any]) -> int | None:
+        """The rollout's seed: distinct per trainer step, task and sample of its GRPO group (veRL's
+        `session_id`), the same on every rerun; None when `openforge.seed` is unset."""
+        if self.options.seed is None:
+            return None
+        step = _plain(row.get("global_steps", 0))
+        session = _plain(row.get("session_id", 0))
+        validate = bool(_plain((row.get("trajectory") or {}).get("validate", False)))
+        return derive_seed(self.options.seed, task.id, f"step{step}", f"sample{session}", f"val{int(validate)}")
 
     # -- one rollout ------------------------------------------------------------------------
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:

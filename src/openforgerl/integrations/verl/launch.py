@@ -5,20 +5,29 @@ rest are Hydra overrides (`data.train_files=...`, `trainer.n_gpus_per_node=1`, `
 Hydra flags (`--cfg job` prints the composed config). The command is
 `python -m verl.trainer.main_ppo --config-path DIR --config-name NAME overrides...`: veRL composes,
 validates and runs it (Ray, FSDP, vLLM); nothing of veRL's is reimplemented here.
+
+A config whose `openforge.device` is `cpu` (the shipped `cpu_grpo`, or `openforge.device=cpu` on the
+command line) runs on the project's CPU platform for veRL (`cpu.py`, `VERL_PLATFORM=cpu`) inside a
+network namespace of its own with only loopback up (`netns.py`); any other runs as veRL runs.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import yaml
+
+from openforgerl.integrations.verl.netns import CPU_ENV, wrap
 
 CONFIG_DIR = Path(__file__).parent / "config"
 ENTRY_POINT_GROUP = "verl.plugins"
-ENTRY_POINT = "openforgerl.integrations.verl.agent_loop"
+ENTRY_POINT = "openforgerl.integrations.verl.plugin"
 
 
 def shipped_configs() -> list[str]:
@@ -50,6 +59,33 @@ def main_ppo_command(config: str, overrides: Sequence[str], python: str = sys.ex
     ]
 
 
+def config_device(config: str, overrides: Sequence[str]) -> str | None:
+    """`openforge.device` of the config file (or of its last command-line override)."""
+    device = None
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "openforge.device":
+            device = value.strip() or None
+    if device is None:
+        raw = yaml.safe_load(resolve_config(config).read_text()) or {}
+        section = raw.get("openforge") if isinstance(raw, dict) else None
+        device = section.get("device") if isinstance(section, dict) else None
+    return None if device in (None, "null", "auto") else str(device)
+
+
+def launch_command(
+    config: str, overrides: Sequence[str], python: str = sys.executable
+) -> tuple[list[str], dict[str, str]]:
+    """veRL's main and the environment it runs with (see the module doc)."""
+    command = main_ppo_command(config, overrides, python)
+    device = config_device(config, overrides)
+    if device is None:
+        return command, {}
+    if device != "cpu":
+        raise ValueError(f"openforge.device={device}: the launcher knows 'cpu' (or null: veRL's own detection)")
+    return wrap(command, python), dict(CPU_ENV)
+
+
 def check_installed() -> None:
     """veRL importable and our agent loop registered with it, or a message saying what to install."""
     if importlib.util.find_spec("verl") is None:
@@ -69,7 +105,12 @@ def train_on_verl(args: Sequence[str], python: str = sys.executable) -> int:
     """Run veRL's trainer; returns its exit status."""
     if not args:
         raise ValueError(f"give CONFIG: a YAML file or a shipped config ({', '.join(shipped_configs())})")
-    command = main_ppo_command(args[0], args[1:], python)
+    command, env = launch_command(args[0], args[1:], python)
     check_installed()
-    print("+ " + " ".join(command), file=sys.stderr, flush=True)
-    return subprocess.call(command)
+    shown = " ".join(f"{k}={v}" for k, v in env.items())
+    print("+ " + (shown + " " if shown else "") + " ".join(command), file=sys.stderr, flush=True)
+    return subprocess.call(command, env=child_env(env))
+
+
+def child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    return {**os.environ, **extra}
