@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HARNESS ?= react
 DEMO_DIR ?= runs/demo$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
 
-.PHONY: venv demo demo-quick test lint typecheck unit sysdeps test-vllm bench clean
+.PHONY: venv demo demo-quick test lint typecheck unit sysdeps test-vllm test-verl bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,6 +71,22 @@ $(VLLM_STAMP):
 ## Engine tests against a real vLLM server on CPU (the fixture starts and stops the server).
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -m vllm tests/test_vllm_engine.py
+
+## veRL's own trainer on this machine (tests/test_verl_trainer.py, marker `verl_trainer`): two GRPO steps of
+## the tiny model on tools-tiny through `openforge train --backend verl cpu_grpo` on a two-node Ray cluster
+## (ray.cluster_utils, in a network namespace of its own): FSDP2 on gloo, the project's engine as veRL's
+## rollout replica, real rollouts through the gateway in sandboxes. Installs the trainer's extras into
+## .venv (TransferQueue --no-deps). About 4-5 minutes on 2 cores.
+VERL_STAMP := $(VENV)/.installed-verl-trainer
+TRANSFERQUEUE_VERSION := 0.1.11
+
+$(VERL_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,verl-trainer]'
+	$(BIN)/pip install -q --no-deps transferqueue==$(TRANSFERQUEUE_VERSION)
+	touch $(VERL_STAMP)
+
+test-verl: $(STAMP) $(VERL_STAMP) sysdeps
+	$(BIN)/pytest -m verl_trainer -q -s tests/test_verl_trainer.py
 
 ## Gateway overhead vs LiteLLM, against a zero-latency fake engine (benchmarks/gateway_overhead.py).
 ## LiteLLM gets its own venv so its dependencies never touch the main one. About 12-20 min on 2 cores;

@@ -286,7 +286,7 @@ def gateways() -> Iterator[None]:
 # -- registration, config, data -------------------------------------------------------------
 def test_entry_point_registers_the_loop_when_verl_is_imported() -> None:
     [ep] = [e for e in entry_points(group="verl.plugins") if e.name == "openforge"]
-    assert ep.value == "openforgerl.integrations.verl.agent_loop"
+    assert ep.value == "openforgerl.integrations.verl.plugin"  # which imports the agent loop
     target = "openforgerl.integrations.verl.agent_loop.OpenForgeAgentLoop"
     assert f"{OpenForgeAgentLoop.__module__}.{OpenForgeAgentLoop.__qualname__}" == target
     assert _agent_loop_registry["openforge"] == {"_target_": target}

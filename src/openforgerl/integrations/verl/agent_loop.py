@@ -28,6 +28,7 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -84,6 +85,13 @@ class LoopOptions:
     seed: int | None = None
     # Read by the launcher, not the loop: "cpu" runs veRL on the project's CPU platform.
     device: str | None = None
+    # The reward: the task's verifier ("verifier"), or veRL's reward loop ("verl": the loop leaves
+    # reward_score unset and veRL's reward manager scores the sequence, e.g. with
+    # reward.custom_reward_function.path).
+    reward: str = "verifier"
+    # Also write every output handed to veRL (ids, mask, logprobs, rollout id) as JSON Lines next to
+    # the gateway's store (store_dir): for audits and tests.
+    dump_outputs: bool = False
 
     @classmethod
     def build(cls, section: Any, overrides: Mapping[str, Any]) -> LoopOptions:
@@ -97,7 +105,12 @@ class LoopOptions:
         unknown = set(values) - known
         if unknown:
             raise ValueError(f"unknown openforge options {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**values)
+        options = cls(**values)
+        if options.reward not in ("verifier", "verl"):
+            raise ValueError(f"openforge.reward={options.reward!r}: 'verifier' or 'verl'")
+        if options.dump_outputs and not options.store_dir:
+            raise ValueError("openforge.dump_outputs needs openforge.store_dir (where the outputs go)")
+        return options
 
 
 @dataclass
@@ -279,7 +292,8 @@ class OpenForgeAgentLoop(AgentLoopBase):
         step = _plain(row.get("global_steps", 0))
         session = _plain(row.get("session_id", 0))
         validate = bool(_plain((row.get("trajectory") or {}).get("validate", False)))
-        return derive_seed(self.options.seed, task.id, f"step{step}", f"sample{session}", f"val{int(validate)}")
+        parts = (f"step{step}", f"sample{session}", f"val{int(validate)}")
+        return derive_seed(self.options.seed, task.id, *parts)
 
     # -- one rollout ------------------------------------------------------------------------
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
@@ -303,7 +317,30 @@ class OpenForgeAgentLoop(AgentLoopBase):
             raise RuntimeError(
                 f"task {task.id}: the gateway gave no calls of rollout {result.gateway_rollout_id}"
             )
-        return self._finish(self.to_outputs(result, time.monotonic() - t0))
+        outputs = self.to_outputs(result, time.monotonic() - t0)
+        if self.options.dump_outputs:
+            self._dump(outputs, kwargs)
+        return self._finish(outputs)
+
+    def _dump(self, outputs: list[AgentLoopOutput], row: Mapping[str, Any]) -> None:
+        assert self.options.store_dir
+        path = Path(self.options.store_dir) / f"outputs-{os.getpid()}.jsonl"
+        with path.open("a", encoding="utf-8") as f:
+            for out in outputs:
+                record = {
+                    "global_steps": _plain(row.get("global_steps")),
+                    "uid": str(_plain(row.get("uid", ""))),
+                    "session_id": _plain(row.get("session_id")),
+                    "prompt_ids": out.prompt_ids,
+                    "response_ids": out.response_ids,
+                    "response_mask": out.response_mask,
+                    "response_logprobs": out.response_logprobs,
+                    "reward_score": out.reward_score,
+                    "openforge": out.extra_fields.get("openforge"),
+                    "min_global_steps": out.extra_fields.get("min_global_steps"),
+                    "max_global_steps": out.extra_fields.get("max_global_steps"),
+                }
+                f.write(json.dumps(record) + "\n")
 
     def to_outputs(self, result: RolloutResult, seconds: float) -> list[AgentLoopOutput]:
         """The rollout's samples -> veRL outputs: prompt before the first sampled token, masks 1 on
@@ -352,7 +389,7 @@ class OpenForgeAgentLoop(AgentLoopBase):
                     response_ids=seq.response_ids,
                     response_mask=seq.response_mask,
                     response_logprobs=seq.response_logprobs,
-                    reward_score=reward,
+                    reward_score=reward if self.options.reward == "verifier" else None,
                     num_turns=len(sample.call_ids),  # the model's turns in this sequence
                     metrics=metrics.model_copy(),
                     extra_fields=extra,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from openforgerl.integrations.verl.netns import CPU_ENV, wrap
+from openforgerl.integrations.verl.netns import CPU_ENV, inside, wrap
 
 CONFIG_DIR = Path(__file__).parent / "config"
 ENTRY_POINT_GROUP = "verl.plugins"
@@ -82,8 +82,9 @@ def launch_command(
     if device is None:
         return command, {}
     if device != "cpu":
-        raise ValueError(f"openforge.device={device}: the launcher knows 'cpu' (or null: veRL's own detection)")
-    return wrap(command, python), dict(CPU_ENV)
+        raise ValueError(f"openforge.device={device}: the launcher knows 'cpu' (null: veRL's own detection)")
+    # Already inside one (a test's two-node cluster, started there first): run it as it is.
+    return (command if inside() else wrap(command, python)), dict(CPU_ENV)
 
 
 def check_installed() -> None:

@@ -7,7 +7,8 @@ nothing the run started outlives it. `unshare --net` (as root; with
 `--user --map-root-user` otherwise) makes the namespace; this module, run inside it, brings `lo` up,
 removes a killed run's stale Ray session pointer, and execs the command:
 
-    unshare --net --pid --fork --kill-child --mount-proc -- python -m openforgerl.integrations.verl.netns -- COMMAND...
+    unshare --net --pid --fork --kill-child --mount-proc -- \
+        python -m openforgerl.integrations.verl.netns -- COMMAND...
 """
 
 from __future__ import annotations
@@ -61,13 +62,20 @@ def wrap(command: Sequence[str], python: str = sys.executable) -> list[str]:
     """`command` run in a network namespace of its own (see the module doc)."""
     unshare = shutil.which("unshare")
     if unshare is None:
-        raise ValueError("`unshare` (util-linux) is needed to give Ray a private network: apt install util-linux")
+        raise ValueError("`unshare` (util-linux) gives Ray a private network: apt install util-linux")
     # A PID namespace too (with its own /proc): when the command ends, the kernel ends every process
     # left in it (Ray's daemons and workers), so a killed run leaves nothing behind.
     flags = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
     if os.geteuid() != 0:
         flags = ["--user", "--map-root-user", *flags]
     return [unshare, *flags, "--", python, "-m", "openforgerl.integrations.verl.netns", "--", *command]
+
+
+INSIDE_ENV = "OPENFORGE_VERL_NETNS"  # set inside: a launcher there runs its command as it is
+
+
+def inside() -> bool:
+    return os.environ.get(INSIDE_ENV) == "1"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -78,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("usage: python -m openforgerl.integrations.verl.netns -- COMMAND...")
     loopback_up()
     clean_stale_ray()
+    os.environ[INSIDE_ENV] = "1"
     os.execvp(args[0], args)
 
 

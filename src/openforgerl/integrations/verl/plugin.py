@@ -34,6 +34,7 @@ def _load_replica() -> type:
 
 RolloutReplicaRegistry.register(ROLLOUT, _load_replica)
 # veRL's adapter table maps (rollout name, mode) to a class path, imported in the worker.
-_rollout_base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = "openforgerl.integrations.verl.rollout.OpenForgeRolloutAdapter"
+ADAPTER = "openforgerl.integrations.verl.rollout.OpenForgeRolloutAdapter"
+_rollout_base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = ADAPTER
 
 from openforgerl.integrations.verl import agent_loop  # noqa: E402,F401  (registers the agent loop)

@@ -24,8 +24,10 @@ than as their neutral values (-1, 1.0): anything else is refused rather than ign
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import time
 from typing import Any
 
 import ray
@@ -35,10 +37,18 @@ log = logging.getLogger(__name__)
 
 NAME = "openforge"  # rollout.name, in veRL's replica and rollout-adapter tables
 SERVER_PREFIX = "openforge_"
+# A file to append one JSON line per weight sync to (replica, node, step, engine version, the L2 norm
+# of the change, requests served so far): set in the trainer's environment for audits and tests.
+SYNC_LOG_ENV = "OPENFORGE_VERL_SYNC_LOG"
 
 
 def server_name(replica_rank: int, node_rank: int = 0) -> str:
     return f"{SERVER_PREFIX}server_{replica_rank}_{node_rank}"
+
+
+def _append_line(path: str, line: str) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
 
 
 def model_path(model_config: Any) -> str:
@@ -115,9 +125,27 @@ class OpenForgeServer:
         )
 
     async def update_weights(self, state: dict[str, Any], global_steps: int | None = None) -> int:
+        sync_log = os.environ.get(SYNC_LOG_ENV)
+        before = None
+        if sync_log:  # the change the sync made, for audits and tests (a copy of every weight)
+            before = {k: v.detach().clone() for k, v in self.engine._model.state_dict().items()}
         version = int(await self.engine.load_state(state))
         if global_steps is not None:
             self.global_steps = int(global_steps)
+        if sync_log and before is not None:
+            after = self.engine._model.state_dict()
+            delta = sum(float((after[k].double() - v.double()).pow(2).sum()) for k, v in before.items())
+            record = {
+                "replica": self.replica_rank,
+                "node_id": self.node_id(),
+                "global_steps": self.global_steps,
+                "version": version,
+                "tensors": len(state),
+                "delta_l2": delta**0.5,
+                "requests": int(self.engine.stats.get("requests", 0)),
+                "time": time.time(),
+            }
+            await asyncio.to_thread(_append_line, sync_log, json.dumps(record))
         return version
 
     async def set_global_steps(self, global_steps: int) -> None:
@@ -159,7 +187,8 @@ class OpenForgeServer:
         return None
 
     async def engine_stats(self) -> dict[str, Any]:
-        return {"stats": dict(self.engine.stats), "version": self.engine.policy_version, "steps": self.global_steps}
+        stats = dict(self.engine.stats)
+        return {"stats": stats, "version": self.engine.policy_version, "steps": self.global_steps}
 
 
 class OpenForgeReplica(RolloutReplica):
@@ -171,14 +200,16 @@ class OpenForgeReplica(RolloutReplica):
 
     async def launch_servers(self) -> None:
         assert self.workers, "the openforge replica runs in hybrid mode (colocated with the actor)"
-        node_ids = await asyncio.gather(
-            *[w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for w in self.workers]
-        )
+
+        def node(worker: Any) -> str:
+            return str(ray.get_runtime_context().get_node_id())
+
+        node_ids: list[str] = list(await asyncio.gather(*[w.__ray_call__.remote(node) for w in self.workers]))
         max_model_len = int(
             self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         )
-        server_cls = ray.remote(OpenForgeServer)
-        server = server_cls.options(  # type: ignore[attr-defined]
+        server_cls: Any = ray.remote(OpenForgeServer)
+        server: Any = server_cls.options(
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 node_id=node_ids[0], soft=False
             ),
