@@ -41,7 +41,7 @@ from openforgerl.integrations.verl import agent_loop as loop_module
 from openforgerl.integrations.verl.agent_loop import OpenForgeAgentLoop, RolloutInfraError
 from openforgerl.integrations.verl.data import dataset_rows, task_from_row, task_row, write_rows
 from openforgerl.integrations.verl.engine import StickyRequestIds, VerlServerEngine
-from openforgerl.integrations.verl.launch import CONFIG_DIR, main_ppo_command
+from openforgerl.integrations.verl.launch import CONFIG_DIR, launch_command, main_ppo_command
 from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rl.oracle_teacher import OracleTeacherEngine
 from openforgerl.rl.prompt_tools import text_reply
@@ -322,6 +322,67 @@ def test_shipped_config_composes_on_verl_defaults_and_passes_its_validation(tiny
     ]  # fmt: skip
     with pytest.raises(ValueError, match="neither a YAML file nor a shipped config"):
         main_ppo_command("no-such-config", [])
+
+
+def _compose(name: str, model_dir: Path) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(
+            name,
+            overrides=[
+                "data.train_files=unused.jsonl",
+                "data.val_files=unused.jsonl",
+                f"actor_rollout_ref.model.path={model_dir}",
+            ],
+        )
+
+
+def test_cpu_and_gpu_configs_share_the_recipe_and_differ_only_by_device(tiny_model_dir: Path) -> None:
+    """`cpu_grpo` and `qwen3_grpo` compose the same recipe (config/recipe/grpo.yaml); what differs is
+    the device side the README's table lists."""
+    from omegaconf import OmegaConf
+
+    gpu, cpu = _compose("qwen3_grpo", tiny_model_dir), _compose("cpu_grpo", tiny_model_dir)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        recipe = compose("recipe/grpo")
+    shared = (
+        "algorithm.adv_estimator",
+        "algorithm.norm_adv_by_std_in_grpo",
+        "actor_rollout_ref.actor.loss_agg_mode",
+        "actor_rollout_ref.rollout.agent.default_agent_loop",
+        "actor_rollout_ref.rollout.calculate_log_probs",
+        "trainer.use_v1",
+        "openforge.harness",
+        "openforge.on_failure",
+        "openforge.reward",
+    )
+    for key in shared:
+        want = OmegaConf.select(recipe, key)
+        assert OmegaConf.select(gpu, key) == want == OmegaConf.select(cpu, key), key
+    assert (gpu.actor_rollout_ref.rollout.name, cpu.actor_rollout_ref.rollout.name) == ("vllm", "openforge")
+    assert (gpu.openforge.device, cpu.openforge.device) == (None, "cpu")
+    assert cpu.actor_rollout_ref.model.use_remove_padding is False
+    assert cpu.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    assert cpu.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert cpu.ray_kwargs.ray_init.num_gpus == cpu.trainer.n_gpus_per_node == 1
+
+    # The launcher: the CPU config runs in a network namespace with the CPU platform's environment.
+    command, env = launch_command("cpu_grpo", ["x=1"], python="python")
+    assert command[0].endswith("unshare") and "--net" in command and "--pid" in command
+    assert command[command.index("--") + 1 :][:4] == [
+        "python",
+        "-m",
+        "openforgerl.integrations.verl.netns",
+        "--",
+    ]
+    assert command[-3:] == ["--config-path=" + str(CONFIG_DIR), "--config-name=cpu_grpo", "x=1"]
+    assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda"
+    assert launch_command("qwen3_grpo", [], python="python") == (
+        main_ppo_command("qwen3_grpo", [], "python"),
+        {},
+    )
+    assert launch_command("qwen3_grpo", ["openforge.device=cpu"], python="python")[1] == env
+    with pytest.raises(ValueError, match="the launcher knows 'cpu'"):
+        launch_command("qwen3_grpo", ["openforge.device=tpu"])
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
