@@ -659,3 +659,22 @@ def test_verl_loop_leaves_wall_clock_timeouts_out_unless_told(tmp_path: Path) ->
         loop = SimpleNamespace(options=LoopOptions.build(section, {}))
         job = OpenForgeAgentLoop._job(loop, task, {"temperature": 0.7}, {}, tmp_path)  # type: ignore[arg-type]
         assert job.exclude_timeouts is excluded
+
+
+def test_rollout_seeds_differ_within_a_group_and_repeat_across_runs() -> None:
+    """`openforge.seed`: each sample of a GRPO group (veRL's session_id) and each step gets its own
+    seed, the same on a rerun; unset, rollouts are unseeded."""
+    from openforgerl.integrations.verl.agent_loop import LoopOptions, rollout_seed
+
+    task = TASKS[0]
+    seeded = LoopOptions.build({"seed": 7}, {})
+    seeds = {
+        (step, session): rollout_seed(seeded, task, {"global_steps": step, "session_id": session})
+        for step in (1, 2)
+        for session in (0, 1)
+    }
+    assert len(set(seeds.values())) == 4
+    assert rollout_seed(seeded, task, {"global_steps": 1, "session_id": 0}) == seeds[(1, 0)]
+    assert rollout_seed(LoopOptions.build(None, {}), task, {"global_steps": 1}) is None
+    with pytest.raises(ValueError, match="'verifier' or 'verl'"):
+        LoopOptions.build({"reward": "judge"}, {})

@@ -78,8 +78,9 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Run:
         f"trainer.rollout_data_dir={out / 'rollouts'}",
         f"trainer.default_local_dir={out / 'checkpoints'}",
         "trainer.logger=[console,file]",
-        # Two agent-loop workers: rollouts go to both replicas (veRL's least-loaded routing).
-        "actor_rollout_ref.rollout.agent.num_workers=2",
+        # One agent-loop worker (one process less): veRL's least-loaded routing still sends its
+        # concurrent rollouts to both replicas.
+        "actor_rollout_ref.rollout.agent.num_workers=1",
         f"openforge.store_dir={store}",
         "openforge.dump_outputs=true",
         f"openforge.seed={SEED}",

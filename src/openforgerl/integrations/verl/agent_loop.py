@@ -199,6 +199,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def rollout_seed(options: LoopOptions, task: Task, row: Mapping[str, Any]) -> int | None:
+    """A rollout's seed: distinct per trainer step, task and sample of its GRPO group (veRL's
+    `session_id`), the same on every rerun; None when `openforge.seed` is unset."""
+    if options.seed is None:
+        return None
+    step = _plain(row.get("global_steps", 0))
+    session = _plain(row.get("session_id", 0))
+    validate = bool(_plain((row.get("trajectory") or {}).get("validate", False)))
+    parts = (f"step{step}", f"sample{session}", f"val{int(validate)}")
+    return derive_seed(options.seed, task.id, *parts)
+
+
 @register(AGENT_NAME)
 class OpenForgeAgentLoop(AgentLoopBase):
     """veRL's agent loop that runs the row's task through OpenForgeRL (see the module doc)."""
@@ -281,19 +293,8 @@ class OpenForgeAgentLoop(AgentLoopBase):
                 "top_p": float(sampling_params.get("top_p", 1.0)),
             },
             include_side_requests=o.include_side_requests,
-            seed=self._seed(task, row),
+            seed=rollout_seed(self.options, task, row),
         )
-
-    def _seed(self, task: Task, row: Mapping[str, Any]) -> int | None:
-        """The rollout's seed: distinct per trainer step, task and sample of its GRPO group (veRL's
-        `session_id`), the same on every rerun; None when `openforge.seed` is unset."""
-        if self.options.seed is None:
-            return None
-        step = _plain(row.get("global_steps", 0))
-        session = _plain(row.get("session_id", 0))
-        validate = bool(_plain((row.get("trajectory") or {}).get("validate", False)))
-        parts = (f"step{step}", f"sample{session}", f"val{int(validate)}")
-        return derive_seed(self.options.seed, task.id, *parts)
 
     # -- one rollout ------------------------------------------------------------------------
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
