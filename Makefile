@@ -76,7 +76,7 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 ## the tiny model on tools-tiny through `openforge train --backend verl cpu_grpo` on a two-node Ray cluster
 ## (ray.cluster_utils, in a network namespace of its own): FSDP2 on gloo, the project's engine as veRL's
 ## rollout replica, real rollouts through the gateway in sandboxes. Installs the trainer's extras into
-## .venv (TransferQueue --no-deps). About 4-5 minutes on 2 cores.
+## .venv (TransferQueue --no-deps). The test takes 4-6 minutes on 2 cores.
 VERL_STAMP := $(VENV)/.installed-verl-trainer
 TRANSFERQUEUE_VERSION := 0.1.11
 
