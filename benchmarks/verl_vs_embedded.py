@@ -2,7 +2,8 @@
 
 Both train the same starting model (default: the kit's tiny model) on tools-tiny with the same
 sizes and seed: `--batch-tasks` tasks x `--group` rollouts a step, the ReAct harness with
-`--max-turns` turns of `--max-tokens` tokens, temperature 1, lr `--lr`, groups with equal rewards
+`--max-turns` turns of `--max-tokens` tokens, temperature `--temperature` (rollouts and the
+trainers' logprobs alike), lr `--lr`, groups with equal rewards
 kept (veRL trains on them too), the tools-tiny verifier for the reward. Then each one's held-out
 pass@1 (greedy, the first `--eval-limit` held-out tasks) after the last step:
 
@@ -47,7 +48,8 @@ def run_embedded(args: argparse.Namespace, model: Path, out: Path) -> dict[str, 
         "--tasks", "tools-tiny", "--model", str(model), "--out", str(run),
         "--steps", str(args.steps), "--group", str(args.group), "--batch-tasks", str(args.batch_tasks),
         "--lr", str(args.lr), "--max-tokens", str(args.max_tokens), "--max-turns", str(args.max_turns),
-        "--seed", str(args.seed), "--eval-every", str(args.steps), "--eval-limit", str(args.eval_limit),
+        "--temperature", str(args.temperature), "--seed", str(args.seed),
+        "--eval-every", str(args.steps), "--eval-limit", str(args.eval_limit),
         "--device", "cpu", "--keep-zero-variance",
     ]  # fmt: skip
     t0 = time.monotonic()
@@ -79,6 +81,7 @@ def run_verl(args: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]
         f"data.train_batch_size={args.batch_tasks}", f"actor_rollout_ref.rollout.n={args.group}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch_tasks}",
         f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.rollout.temperature={args.temperature}",
         f"openforge.max_tokens={args.max_tokens}", f"openforge.max_turns={args.max_turns}",
         f"openforge.seed={args.seed}",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.steps}",
@@ -115,6 +118,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--eval-limit", type=int, default=10)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="runs/verl-vs-embedded")
@@ -133,6 +137,7 @@ def main() -> None:
         "lr": args.lr,
         "max_tokens": args.max_tokens,
         "max_turns": args.max_turns,
+        "temperature": args.temperature,
         "eval_limit": args.eval_limit,
         "seed": args.seed,
         "cores": os.cpu_count(),
