@@ -176,6 +176,26 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
     return result
 
 
+# What a run folder holds up to the SFT model's evaluations: a copy starts its RL phase from there.
+SFT_PHASES = ("model", "teacher", "sft", "eval/before", "eval/sft", "eval/sft-greedy", "eval/sft-reworded")
+
+
+def start_from(run: Path, out: Path) -> None:
+    """Copy `run`'s phases up to the SFT model's evaluations (and their timings) into the new `out`;
+    the demo then skips them and runs RL and its evaluations alone."""
+    import shutil
+
+    if not (run / "sft" / "sft_summary.json").exists():
+        raise SystemExit(f"--start-from {run}: no SFT model there (sft/sft_summary.json)")
+    out.mkdir(parents=True)
+    for part in SFT_PHASES:
+        if (run / part).is_dir():
+            shutil.copytree(run / part, out / part)
+    timings = json.loads((run / "timings.json").read_text()) if (run / "timings.json").exists() else {}
+    kept = {k: v for k, v in timings.items() if not k.startswith(("rl", "eval-rl", "report"))}
+    (out / "timings.json").write_text(json.dumps(kept, indent=2))
+
+
 def _read_eval(out: Path, key: str) -> dict[str, Any]:
     path = out / "eval" / key / "report.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -296,12 +316,24 @@ def main() -> None:
     ap.add_argument("--no-baselines", action="store_true", help="RL alone, without sft-more and rft")
     ap.add_argument("--baseline-lr", type=float, default=1e-4, help="the baselines' constant SFT rate")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DemoConfig field")
+    ap.add_argument(
+        "--start-from",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="a run folder whose model, teacher, SFT model and their evaluations the seed's folder "
+        "starts from (copied when that folder is new; one seed): RL recipes from one SFT model",
+    )
     ap.add_argument("--runs", type=Path, default=Path("benchmarks/results/learning-runs"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/learning.json"))
     args = ap.parse_args()
+    if args.start_from and len(args.seeds) != 1:
+        raise SystemExit("--start-from gives one SFT model: run one seed (its own)")
     seeds = []
     for seed in args.seeds:
         cfg = config(seed, args.runs, args.quick, args.faults, args.set)
+        if args.start_from and not cfg.out.exists():
+            start_from(args.start_from, cfg.out)
         seeds.append(one_seed(cfg, not args.no_baselines, args.baseline_lr))
         print(f"seed {seed}: RL - SFT pass@1 {_paired(seeds[-1]['rl_minus_sft']['pass@1'])}", flush=True)
     summary = summarize(seeds)

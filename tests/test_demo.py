@@ -29,6 +29,27 @@ TOY = dict(
 )
 
 
+def test_demo_rl_settings_reach_the_trainer(tmp_path: Path) -> None:
+    """The demo's RL knobs become `openforge train`'s settings: updates per step, the scale of the
+    negative advantages and the ptx term on the teacher's trajectories."""
+    teacher = tmp_path / "teacher" / "samples.jsonl"
+    plain = demo.rl_options(demo.DemoConfig(), tmp_path / "sft", tmp_path / "rl", teacher)
+    assert plain.trainer.mini_batches == plain.trainer.ppo_epochs == 1
+    assert plain.trainer.neg_adv_scale == 1.0 and plain.trainer.ptx_coef == 0 and plain.ptx_data is None
+    assert plain.trainer.lr == 1e-4 and plain.trainer.warmup_steps == 3 and plain.temperature == 0.7
+    cfg = demo.DemoConfig(rl_mini_batches=4, rl_ppo_epochs=2, rl_neg_adv_scale=0.25, rl_ptx_coef=0.5)
+    opts = demo.rl_options(cfg, tmp_path / "sft", tmp_path / "rl", teacher)
+    assert (opts.trainer.mini_batches, opts.trainer.ppo_epochs) == (4, 2)
+    assert opts.trainer.neg_adv_scale == 0.25
+    assert opts.trainer.ptx_coef == 0.5 and opts.ptx_data == str(teacher)
+    assert (
+        not opts.curriculum
+        and demo.rl_options(
+            demo.DemoConfig(rl_curriculum=True), tmp_path / "sft", tmp_path / "rl", teacher
+        ).curriculum
+    )
+
+
 def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_path: Path) -> None:
     cfg = dataclasses.replace(demo.DemoConfig(out=tmp_path / "demo"), **TOY)  # type: ignore[arg-type]
     report = demo.run(cfg)

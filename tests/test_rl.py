@@ -595,6 +595,34 @@ def test_skip_tasks_keeps_rl_off_the_tasks_the_sft_teacher_solved(tmp_path: Path
         training_tasks(dataclasses.replace(opts, skip_tasks=5000))
 
 
+def test_curriculum_draws_only_the_measured_tasks_with_mixed_outcomes(tmp_path: Path) -> None:
+    from openforgerl.rl import headroom
+    from openforgerl.rl.loop import curriculum_tasks
+
+    opts = TrainOptions(model="m", out=tmp_path, headroom_tasks=4, curriculum=True)
+    tasks = training_tasks(opts)
+    with pytest.raises(ValueError, match="no headroom measurement"):
+        curriculum_tasks(tasks, opts)
+    a, b, c, d = (t.id for t in tasks[10:14])
+    rates = {a: 0.0, b: 0.25, c: 1.0, d: 0.875}  # all fail, mixed, all pass, mixed
+    measured = headroom.Headroom(
+        k=8, tasks=4, rollouts=32, unscored=0, pass_at_1=0.5, pass_at_k=0.75, mixed_fraction=0.5,
+        all_fail_fraction=0.25, all_pass_fraction=0.25, sampled_nll=0.1, sampled_tokens=100,
+        task_pass_rates=rates, seconds=1.0, temperature=1.0,
+    )  # fmt: skip
+    headroom.write(measured, tmp_path)
+    pool = curriculum_tasks(tasks, opts)
+    assert [t.id for t in pool] == [b, d]
+    # Each step draws from the pool alone, so its tasks come back step after step.
+    drawn = [t.id for step in range(1, 6) for t in step_tasks(pool, step, 6, seed=0)]
+    assert drawn.count(b) == drawn.count(d) == 5
+    headroom.write(dataclasses.replace(measured, task_pass_rates={a: 0.0, c: 1.0}), tmp_path)
+    with pytest.raises(ValueError, match="none of the 2 measured tasks had mixed outcomes"):
+        curriculum_tasks(tasks, opts)
+    with pytest.raises(ValueError, match="set headroom_tasks"):
+        TrainOptions(model="m", out=tmp_path, curriculum=True)
+
+
 # ---- dynamic sampling ----------------------------------------------------------------------------
 
 
@@ -1054,6 +1082,14 @@ def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
     result, (opts,) = _train_cli([*base, "--model", "m", "--temperature", "0.7", "--lr", "1e-3"], monkeypatch)
     assert result.exit_code == 0, result.output
     assert opts.temperature == opts.trainer.temperature == 0.7 and opts.trainer.lr == 1e-3
+    assert opts.trainer.neg_adv_scale == 1.0
+    result, (scaled,) = _train_cli([*base, "--model", "m", "--neg-adv-scale", "0.25"], monkeypatch)
+    assert result.exit_code == 0 and scaled.trainer.neg_adv_scale == 0.25
+    assert scaled.to_json()["trainer"]["neg_adv_scale"] == 0.25
+    result, (cur,) = _train_cli(
+        [*base, "--model", "m", "--curriculum", "--headroom-tasks", "32"], monkeypatch
+    )
+    assert result.exit_code == 0 and cur.curriculum and cur.headroom_tasks == 32
     saved = opts.to_json()
     assert saved["temperature"] == 0.7 and "temperature" not in saved["trainer"]  # one place in run.json
     run.mkdir()

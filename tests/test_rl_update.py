@@ -161,6 +161,30 @@ def test_the_direction_check_catches_a_broken_update(
     assert direction_failures(one_step(tiny_model_dir, sampled, sabotage)) != []
 
 
+def test_neg_adv_scale_shrinks_only_the_negative_advantages(tiny_model_dir: Path, sampled: Any) -> None:
+    """`neg_adv_scale` multiplies the negative advantages alone; at 0 the failed rollouts carry no
+    gradient, so they barely move while the passed ones still gain likelihood."""
+    from openforgerl.rl.trainer import scale_negative
+
+    assert scale_negative([1.5, -0.5, 0.0, -2.0], 0.25) == [1.5, -0.125, 0.0, -0.5]
+    with pytest.raises(ValueError, match="neg_adv_scale"):
+        TrainerConfig(neg_adv_scale=1.5)
+    plain = one_step(tiny_model_dir, sampled)
+    trained, untrained = _rollouts(sampled)
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=LR, neg_adv_scale=0.0), group_size=len(REWARDS))
+    everything = [r.samples[0] for r in trained]
+    before = trainer.sequence_logprobs(everything)
+    m = trainer.train_step(trained + untrained)
+    after = trainer.sequence_logprobs(everything)
+    pos = [b - a for r, a, b in zip(trained, before, after, strict=True) if r.reward == 1.0]
+    neg = [b - a for r, a, b in zip(trained, before, after, strict=True) if r.reward == 0.0]
+    assert min(pos) > 0
+    # Without their own gradient the failures move far less than under plain GRPO.
+    plain_neg = [c for adv, c, _ in plain.trained if adv < 0]
+    assert sum(map(abs, neg)) < 0.5 * sum(map(abs, plain_neg))
+    assert m["advantage_abs_mean"] < plain.metrics["advantage_abs_mean"]
+
+
 def test_step_metrics_report_entropy_sampled_nll_and_the_ppo_ratio(
     tiny_model_dir: Path, sampled: Any
 ) -> None:

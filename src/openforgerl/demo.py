@@ -39,9 +39,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from openforgerl.run_status import RunRecord, recording
+
+if TYPE_CHECKING:
+    from openforgerl.rl.config import TrainOptions
 
 SUITE = "tools-tiny"
 # tools-tiny's skills asked in other words: held out, never trained or tuned on.
@@ -88,9 +91,20 @@ class DemoConfig:
     # A fresh AdamW's first updates move every weight by about the lr whatever its gradient: warm up.
     rl_warmup: int = 3
     rl_max_gen_batches: int = 1  # DAPO's dynamic sampling: batches drawn until every group has a signal
+    # Optimizer updates per GRPO step: rl_ppo_epochs passes of rl_mini_batches updates (above one,
+    # the PPO clip acts); TrainerConfig.mini_batches and ppo_epochs.
+    rl_mini_batches: int = 1
+    rl_ppo_epochs: int = 1
+    # Negative advantages multiplied by this (TrainerConfig.neg_adv_scale; 1: plain GRPO).
+    rl_neg_adv_scale: float = 1.0
+    # InstructGPT's ptx term: each RL update also descends this x the SFT loss of 16 of the teacher's
+    # trajectories (the SFT data; TrainerConfig.ptx_coef). 0: off.
+    rl_ptx_coef: float = 0.0
     # The starting policy measured on this many train tasks (k runs each) before RL: headroom.json.
     headroom_tasks: int = 16
     headroom_k: int = 8
+    # RL draws only from the headroom's tasks with mixed outcomes, revisited (TrainOptions.curriculum).
+    rl_curriculum: bool = False
     eval_tasks: int | None = None  # held-out tasks evaluated (None: all 50)
     eval_n: int = 4  # sampled runs per task (at 2, one model's pass@1 ranged 0.24-0.37 over reruns)
     # Sampling temperature of the RL rollouts (and the trainer's logprobs) and of every evaluation.
@@ -194,9 +208,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
 
 def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
     from openforgerl.modelkit import init_model
-    from openforgerl.rl.loop import TrainOptions, train
+    from openforgerl.rl.loop import train
     from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
-    from openforgerl.rl.trainer import TrainerConfig
 
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
@@ -302,26 +315,7 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
     if cfg.until == "sft":  # the SFT model and its evaluations only: RL's recipe can be chosen next
         return {"evaluations": list(evals), "seconds": seconds}
 
-    opts = TrainOptions(
-        model=str(sft_dir),
-        out=rl_dir,
-        tasks=cfg.train_suite,
-        harness=cfg.harness,
-        steps=cfg.rl_steps,
-        group=cfg.rl_group,
-        batch_tasks=cfg.rl_batch_tasks,
-        max_tokens=cfg.max_tokens,
-        max_turns=cfg.max_turns,
-        concurrency=cfg.concurrency,
-        temperature=cfg.temperature,
-        seed=cfg.seed,
-        progress=cfg.progress,
-        overlap=cfg.overlap,
-        max_gen_batches=cfg.rl_max_gen_batches,
-        headroom_tasks=cfg.headroom_tasks,
-        headroom_k=cfg.headroom_k,
-        trainer=TrainerConfig(lr=cfg.rl_lr, warmup_steps=cfg.rl_warmup, seed=cfg.seed),
-    )
+    opts = rl_options(cfg, sft_dir, rl_dir, teacher_file)
     rl_summary_file = rl_dir / "rl_summary.json"
 
     def rl() -> None:
@@ -339,6 +333,42 @@ def _run(cfg: DemoConfig, record: RunRecord) -> dict[str, Any]:
         plot_rewards(read_metrics(rl_dir), out / "reward_curve.png")
         (out / "report.md").write_text(render_markdown(report))
     return report
+
+
+def rl_options(cfg: DemoConfig, sft_dir: Path, rl_dir: Path, teacher_file: Path) -> TrainOptions:
+    """The demo's GRPO run (`openforge train`'s settings) from the SFT model in `sft_dir`."""
+    from openforgerl.rl.config import TrainerConfig, TrainOptions
+
+    return TrainOptions(
+        model=str(sft_dir),
+        out=rl_dir,
+        tasks=cfg.train_suite,
+        harness=cfg.harness,
+        steps=cfg.rl_steps,
+        group=cfg.rl_group,
+        batch_tasks=cfg.rl_batch_tasks,
+        max_tokens=cfg.max_tokens,
+        max_turns=cfg.max_turns,
+        concurrency=cfg.concurrency,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        progress=cfg.progress,
+        overlap=cfg.overlap,
+        max_gen_batches=cfg.rl_max_gen_batches,
+        headroom_tasks=cfg.headroom_tasks,
+        headroom_k=cfg.headroom_k,
+        curriculum=cfg.rl_curriculum,
+        trainer=TrainerConfig(
+            lr=cfg.rl_lr,
+            warmup_steps=cfg.rl_warmup,
+            seed=cfg.seed,
+            mini_batches=cfg.rl_mini_batches,
+            ppo_epochs=cfg.rl_ppo_epochs,
+            neg_adv_scale=cfg.rl_neg_adv_scale,
+            ptx_coef=cfg.rl_ptx_coef,
+        ),
+        ptx_data=str(teacher_file) if cfg.rl_ptx_coef > 0 else None,
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
             "max_gen_batches",
             "headroom_tasks",
             "headroom_k",
+            "curriculum",
             "max_tokens",
             "max_turns",
             "harness",
@@ -55,7 +56,16 @@ _SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "ptx_data": ("ptx_data", lambda v: str(Path(v).resolve()) if v else None),
     **{
         name: (f"trainer.{name}", _same)
-        for name in ("lr", "warmup_steps", "mini_batches", "ppo_epochs", "ptx_coef", "ptx_batch", "device")
+        for name in (
+            "lr",
+            "warmup_steps",
+            "mini_batches",
+            "ppo_epochs",
+            "neg_adv_scale",
+            "ptx_coef",
+            "ptx_batch",
+            "device",
+        )
     },
     "micro_batch_tokens": ("trainer.micro_batch_tokens", _same),
     "algo": ("trainer.estimator", _same),
@@ -169,6 +179,13 @@ _SET_ONLY = [
     help="Passes over a step's samples; with more than one update per step the PPO clip acts.",
 )
 @click.option(
+    "--neg-adv-scale",
+    type=click.FloatRange(min=0.0, max=1.0),
+    default=TrainerConfig.neg_adv_scale,
+    show_default=True,
+    help="Multiply negative advantages by this (1: plain GRPO; 0: train on the passed rollouts alone).",
+)
+@click.option(
     "--ptx-data",
     type=click.Path(exists=True),
     default=None,
@@ -217,6 +234,12 @@ _SET_ONLY = [
     default=TrainOptions.headroom_k,
     show_default=True,
     help="Runs per task of the headroom measurement (its pass@k).",
+)
+@click.option(
+    "--curriculum",
+    is_flag=True,
+    help="Train only on the tasks the headroom measurement (--headroom-tasks) found with mixed "
+    "outcomes (pass rate strictly between 0 and 1), each revisited across steps.",
 )
 @click.option("--micro-batch-tokens", type=int, default=TrainerConfig.micro_batch_tokens, show_default=True)
 @click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")

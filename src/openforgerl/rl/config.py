@@ -76,6 +76,10 @@ class TrainerConfig:
     estimator: str = "grpo"
     norm_adv_by_std: bool = True
     drop_zero_variance: bool = True
+    # Negative advantages are multiplied by this (1: plain GRPO; 0: the passing rollouts alone). A
+    # near-deterministic student's failed rollouts move far more per token than its passed ones
+    # (issue #33: 9-17x), so pushing failures down can outweigh pulling successes up.
+    neg_adv_scale: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
     # The temperature of the logprobs: the rollouts' sampling temperature. In a run it is not a
     # setting of its own: TrainOptions sets it to the run's `temperature`, and run.json leaves it out.
@@ -94,6 +98,10 @@ class TrainerConfig:
     # After each step's updates, re-score the trained rollouts with the new weights and report how
     # their log-likelihood moved (`update/...` metrics): one extra forward pass, no gradients.
     measure_update: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.neg_adv_scale <= 1.0:
+            raise ValueError(f"neg_adv_scale must be in [0, 1], not {self.neg_adv_scale:g}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:
@@ -167,6 +175,10 @@ class TrainOptions:
     # tasks measure what the starting policy leaves RL to learn (headroom.json). 0: off.
     headroom_tasks: int = 0
     headroom_k: int = 8
+    # A curriculum from that measurement: the steps draw only from the measured tasks whose pass rate
+    # was strictly between 0 and 1 (the groups with a signal), so each is revisited across steps.
+    # Needs headroom_tasks > 0.
+    curriculum: bool = False
     backend: BackendChoice = field(default_factory=BackendChoice)  # where the rollouts' sandboxes run
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -179,6 +191,8 @@ class TrainOptions:
                 f"the trainer's temperature {self.trainer.temperature:g} is not the rollouts' "
                 f"{self.temperature:g}: set the run's temperature alone (--temperature)"
             )
+        if self.curriculum and self.headroom_tasks < 1:
+            raise ValueError("curriculum draws from the headroom measurement's tasks: set headroom_tasks")
         if self.on_timeout not in ("exclude", "zero"):
             raise ValueError(f"on_timeout must be 'exclude' or 'zero', not {self.on_timeout!r}")
         if self.temperature <= 0:

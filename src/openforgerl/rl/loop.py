@@ -145,6 +145,22 @@ def mixed_groups(results: Sequence[RolloutResult]) -> list[str]:
     return [task for task, seen in rewards.items() if len(seen) > 1]
 
 
+def curriculum_tasks(tasks: Sequence[Task], opts: TrainOptions) -> list[Task]:
+    """The tasks of `opts.curriculum`: those the run's headroom measurement (headroom.json) found
+    with mixed outcomes, a pass rate strictly between 0 and 1, in the order of `tasks`."""
+    measured = headroom.read(opts.out)
+    if measured is None:
+        raise ValueError(f"curriculum: {opts.out} holds no headroom measurement (headroom_tasks)")
+    rates = measured.task_pass_rates
+    chosen = [t for t in tasks if 0.0 < rates.get(t.id, 0.0) < 1.0]
+    if not chosen:
+        raise ValueError(
+            f"curriculum: none of the {len(rates)} measured tasks had mixed outcomes in "
+            f"{measured.k} runs: nothing to train on (more --headroom-tasks, or another temperature)"
+        )
+    return chosen
+
+
 def recorded_rollouts(results: Sequence[RolloutResult]) -> list[Rollout]:
     """The trainer's view of finished rollouts: each one's samples, and its reward (None: not
     scored). A dropped rollout is left out; one whose calls the gateway cannot give is an error."""
@@ -458,8 +474,10 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
                 if start:
                     log.write(0, {"policy_version": 0, **start})
 
+            pool = curriculum_tasks(train_tasks, opts) if opts.curriculum else train_tasks
+
             def collect(step: int, cancel: Cancel | None = None) -> StepRollouts:
-                return collect_step(service, opts, train_tasks, step, cancel)
+                return collect_step(service, opts, pool, step, cancel)
 
             first = trainer.step + 1
             prefetch = None

@@ -105,6 +105,11 @@ def select_groups(
     return kept, stats
 
 
+def scale_negative(advantages: Sequence[float], scale: float) -> list[float]:
+    """The advantages with every negative one multiplied by `scale` (TrainerConfig.neg_adv_scale)."""
+    return [a * scale if a < 0 else a for a in advantages]
+
+
 def sampled_nll(rollouts: Sequence[Rollout]) -> dict[str, float]:
     """`sampled_nll`: the mean negative behaviour logprob (the engine's) per loss token over every
     scored rollout, trained or not: an estimate of the rollout policy's entropy. Empty without tokens."""
@@ -242,6 +247,8 @@ class Trainer:
             self.cfg.estimator,
             norm_adv_by_std=self.cfg.norm_adv_by_std,
         )
+        if self.cfg.neg_adv_scale != 1.0:
+            advantages = scale_negative(advantages, self.cfg.neg_adv_scale)
         samples: list[Sample] = []
         for r, adv in zip(kept, advantages, strict=True):
             for s in r.samples:
