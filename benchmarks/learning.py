@@ -18,6 +18,10 @@ points with every seed's interval above 0, greedy not lower.
 
     .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--quick] [--no-baselines] [--faults]
                                             [--set KEY=VALUE ...] [--out benchmarks/results/learning.json]
+                                            [--start-from RUN]
+
+`--start-from RUN` copies RUN's model, teacher data, SFT model and their evaluations into the (new)
+seed folder, so only RL and its evaluations run: RL recipes compared from one SFT model.
 
 `--set` overrides a DemoConfig field (`--set rl_lr=1e-4 --set temperature=1.0`). Each seed's run
 folder (default benchmarks/results/learning-runs/seed-N) is kept: a rerun continues unfinished

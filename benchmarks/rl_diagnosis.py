@@ -60,6 +60,78 @@ def recorded_task_ids(rl_dir: Path) -> set[str]:
     return found
 
 
+def step_curve(rl_dir: Path, sft: dict[str, Any], block: int = 5) -> list[dict[str, Any]]:
+    """RL's own training rollouts against the SFT model, task by task: at step s the policy (s - 1
+    updates, none on most of these tasks) meets the step's tasks, whose pass rate under the SFT
+    model the `sft` evaluation measured. Per block of `block` steps: the rollouts' pass rate, the
+    SFT model's on the same tasks, and the paired difference with its interval. A policy that
+    learns skills rises above the SFT model here as the steps go on; one that fits its tasks does not."""
+    import sqlite3
+
+    from openforgerl.eval_stats import paired_difference
+
+    base = per_task(sft)
+    rows: dict[int, dict[str, list[float]]] = {}
+    for db in sorted((rl_dir / "steps").glob("*/runner.db")):
+        step = int(db.parent.name)
+        with sqlite3.connect(db) as con:
+            for task, reward in con.execute("SELECT task_id, reward FROM rollouts WHERE status = 'done'"):
+                if reward is not None:
+                    rows.setdefault(step, {}).setdefault(task, []).append(float(reward >= 1.0 - 1e-9))
+    out = []
+    steps = sorted(rows)
+    for first in range(0, len(steps), block):
+        chosen = steps[first : first + block]
+        # A task drawn in two steps of a block counts once per step: key by (step, task).
+        rl = {f"{s}:{t}": sum(v) / len(v) for s in chosen for t, v in rows[s].items() if t in base}
+        before = {k: base[k.split(":", 1)[1]] for k in rl}
+        gain = paired_difference(before, rl).as_dict()
+        out.append(
+            {
+                "steps": f"{chosen[0]}-{chosen[-1]}",
+                "tasks": len(rl),
+                "rl_rollouts_pass": sum(rl.values()) / len(rl),
+                "sft_pass@1": sum(before.values()) / len(before),
+                "rl_minus_sft": gain,
+            }
+        )
+    return out
+
+
+def by_signal(rl_dir: Path, sft: dict[str, Any], rl: dict[str, Any]) -> dict[str, Any]:
+    """The trained tasks split by whether RL had a gradient on them: a group with mixed rewards in
+    some step (trained on) or equal rewards every time it was drawn (dropped). RL − SFT paired on
+    each part. The split is made on the RL run's own rollouts, so it leans on chance as well as on
+    the task: an all-fail group is likelier where the policy had already got worse."""
+    import sqlite3
+
+    from openforgerl.eval_stats import paired_difference
+
+    mixed: dict[str, bool] = {}
+    for db in sorted((rl_dir / "steps").glob("*/runner.db")):
+        groups: dict[str, set[bool]] = {}
+        with sqlite3.connect(db) as con:
+            for task, reward in con.execute("SELECT task_id, reward FROM rollouts WHERE status = 'done'"):
+                if reward is not None:
+                    groups.setdefault(task, set()).add(reward >= 1.0 - 1e-9)
+        for task, seen in groups.items():
+            mixed[task] = mixed.get(task, False) or len(seen) > 1
+    a, b = per_task(sft), per_task(rl)
+    out = {}
+    for name, keep in (("mixed", True), ("equal", False)):
+        tasks = [t for t in a if t in b and mixed.get(t) is keep]
+        if tasks:
+            out[name] = {
+                "tasks": len(tasks),
+                "sft_pass@1": sum(a[t] for t in tasks) / len(tasks),
+                "rl_pass@1": sum(b[t] for t in tasks) / len(tasks),
+                "rl_minus_sft": paired_difference(
+                    {t: a[t] for t in tasks}, {t: b[t] for t in tasks}
+                ).as_dict(),
+            }
+    return out
+
+
 def write_task_file(ids: list[str], suite: str, path: Path) -> None:
     from openforgerl.tasks import load_tasks
     from openforgerl.tasks.loader import dump_tasks
@@ -120,7 +192,7 @@ def trainer_work(rl_dir: Path, rft_dir: Path | None) -> dict[str, Any]:
         "sequences_trained": sum(int(r.get("samples", 0)) for r in rows),
         "tokens": sum(int(r.get("tokens", 0)) for r in rows),
         "loss_tokens": sum(int(r.get("loss_tokens", 0)) for r in rows),
-        "lr_mean": sum(float(r.get("lr", 0.0)) for r in rows if r.get("updated")) / max(updates, 1),
+        "lr_mean": _mean([r for r in rows if r.get("updated")], "lr"),  # each step's: its updates' mean
         "logp_change_pos_per_token": _mean(rows, "update/logp_change_pos_per_token"),
         "logp_change_neg_per_token": _mean(rows, "update/logp_change_neg_per_token"),
         "direction_agreement": _mean(rows, "update/direction_agreement"),
@@ -138,6 +210,10 @@ def trainer_work(rl_dir: Path, rft_dir: Path | None) -> dict[str, Any]:
     return out
 
 
+def _points(g: dict[str, float]) -> str:
+    return f"{g['estimate'] * 100:+.1f} ({g['low'] * 100:+.1f} to {g['high'] * 100:+.1f})"
+
+
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
     return sum(vals) / len(vals) if vals else None
@@ -151,9 +227,19 @@ def main() -> None:
     ap.add_argument("--rl-model", type=Path, default=None, help="default: the run's RL checkpoint")
     ap.add_argument("--name", default="rl", help="the RL model's name in the diagnosis folder")
     ap.add_argument("--n", type=int, default=4, help="sampled runs per task")
+    ap.add_argument("--rl-n", type=int, default=None, help="the RL model's runs per task (default: --n)")
     ap.add_argument("--fresh", type=int, default=None, help="fresh train tasks (default: as many as trained)")
     ap.add_argument("--seed", type=int, default=0, help="the run's seed (the demo's --seed)")
     ap.add_argument("--out", type=Path, default=None, help="the result JSON")
+    ap.add_argument(
+        "--curve-of",
+        type=Path,
+        nargs="*",
+        default=[],
+        metavar="RL_DIR",
+        help="other RL run folders from the same SFT model and seed (they draw the same tasks): "
+        "their step curves against the SFT model too",
+    )
     ap.add_argument("--sft-only", action="store_true", help="evaluate the SFT model alone (RL may still run)")
     args = ap.parse_args()
     run = args.run.resolve()
@@ -173,7 +259,12 @@ def main() -> None:
     pool = [t.id for t in load_tasks(cfg.train_suite, split="train") if t.id not in set(trained)]
     fresh = random.Random(f"fresh:{args.seed}").sample(pool, args.fresh or len(trained))
     teacher = {t.id for t in load_tasks(cfg.train_suite, split="train")[: cfg.teacher_tasks]}
-    result: dict[str, Any] = {"run": str(run), "rl_model": str(rl_model), "n": args.n, "sets": {}}
+    result: dict[str, Any] = {
+        "run": str(run),
+        "rl_model": str(rl_model),
+        "n": {"sft": args.n, args.name: args.rl_n or args.n},
+        "sets": {},
+    }
     for name, ids in (("trained", trained), ("fresh", fresh)):
         tasks_file = diag / f"{name}.jsonl"
         if not tasks_file.exists():
@@ -186,7 +277,7 @@ def main() -> None:
             continue
         if rl_model is None:
             raise SystemExit(f"{rl_dir}: RL has not finished (no rl_summary.json); --sft-only or --rl-model")
-        rl = evaluate(cfg, rl_model, tasks_file, diag / f"{args.name}-{name}", args.n)
+        rl = evaluate(cfg, rl_model, tasks_file, diag / f"{args.name}-{name}", args.rl_n or args.n)
         gain = paired(sft, rl)
         result["sets"][name] = {
             "tasks": len(ids),
@@ -195,14 +286,30 @@ def main() -> None:
             "rl_pass@1": rl["summary"]["pass@k"]["1"]["estimate"],
             "rl_minus_sft": gain,
         }
+        if name == "trained":
+            result["sets"][name]["by_signal"] = split = by_signal(rl_dir, sft, rl)
+            for part, row in split.items():
+                print(
+                    f"  {part} groups: {row['tasks']} tasks, SFT {row['sft_pass@1']:.3f} -> RL "
+                    f"{row['rl_pass@1']:.3f}, paired {_points(row['rl_minus_sft'])}"
+                )
         print(
             f"{name}: {len(ids)} tasks, SFT {result['sets'][name]['sft_pass@1']:.3f} -> RL "
-            f"{result['sets'][name]['rl_pass@1']:.3f}, paired {gain['estimate'] * 100:+.1f} "
-            f"({gain['low'] * 100:+.1f} to {gain['high'] * 100:+.1f})",
+            f"{result['sets'][name]['rl_pass@1']:.3f}, paired {_points(gain)}",
             flush=True,
         )
     if args.sft_only:
         return
+    sft_trained = json.loads((diag / "sft-trained" / "report.json").read_text())
+    result["step_curve"] = {}
+    for rl_run in [rl_dir, *args.curve_of]:
+        result["step_curve"][str(rl_run)] = curve = step_curve(rl_run, sft_trained)
+        for row in curve:
+            g = row["rl_minus_sft"]
+            print(
+                f"{rl_run} steps {row['steps']}: rollouts {row['rl_rollouts_pass']:.3f} vs SFT "
+                f"{row['sft_pass@1']:.3f}: {_points(g)}"
+            )
     rft = run / "baselines" / "rft"
     result["trainer_work"] = trainer_work(rl_dir, rft if rft.is_dir() else None)
     print(json.dumps(result["trainer_work"], indent=2))
