@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -537,12 +538,18 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def work_dir() -> Iterator[Path]:
-    """Scratch space of our own: pytest's basetemp can be pruned by other pytest sessions meanwhile."""
+def work_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Scratch space of our own: pytest's basetemp can be pruned by other pytest sessions meanwhile.
+    When a test failed, the servers' logs are printed before it goes: a server that died under a
+    test says why only there."""
     path = Path(tempfile.mkdtemp(prefix="openforgerl-vllm-test-"))
     try:
         yield path
     finally:
+        if request.session.testsfailed:
+            for log in sorted(path.glob("*.log")):
+                tail = log.read_text(errors="replace")[-6000:]
+                print(f"\n--- {log.name} (its end) ---\n{tail}", file=sys.__stderr__, flush=True)
         shutil.rmtree(path, ignore_errors=True)
 
 
