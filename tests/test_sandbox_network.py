@@ -259,7 +259,8 @@ def test_upstream_options_reach_the_gateway_config(
         seen.append(cfg)
         raise _Served
 
-    monkeypatch.setattr("openforgerl.rollouts.service.serve_in_thread", serve)
+    monkeypatch.setattr("openforgerl.run.stack.serve_in_thread", serve)
+    monkeypatch.setattr("openforgerl.run.stack.start_engine", lambda *a, **kw: (None, False))
     monkeypatch.setattr("openforgerl.gateway.server.serve", serve)
     upstream = ["--upstream", "judge=openai:gpt-4.1@http://127.0.0.1:9/v1"]
     upstream += ["--upstream-key-env", "judge=MY_KEY"]

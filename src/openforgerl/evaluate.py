@@ -22,12 +22,12 @@ from openforgerl import behaviour as acting
 from openforgerl.engines.base import Engine
 from openforgerl.eval_options import EvalOptions as EvalOptions
 from openforgerl.eval_stats import by_tag, summarize
-from openforgerl.gateway.server import GatewayConfig
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rollouts.results import RolloutResult, Status
-from openforgerl.rollouts.service import RolloutJob, RolloutService, embedded
+from openforgerl.rollouts.service import RolloutJob, RolloutService
 from openforgerl.rollouts.trajectory import token_stats
-from openforgerl.run_status import recording
+from openforgerl.run.folder import RunFolder
+from openforgerl.run.stack import serving
 from openforgerl.tasks import Task, load_tasks
 
 
@@ -35,29 +35,28 @@ from openforgerl.tasks import Task, load_tasks
 def _service(opts: EvalOptions, engine: Engine | None, run_id: str) -> Iterator[RolloutService]:
     """The run's rollouts: on a running gateway (`opts.gateway`), or on one embedded for the run;
     in sandboxes of `opts.backend`."""
-    backend = opts.backend.make(run_id)
     if opts.gateway:
         if opts.upstreams:
             raise ValueError(
                 "--upstream configures the embedded gateway; a running gateway (--gateway) serves its "
                 "own upstreams (openforge gateway --upstream ...)"
             )
-        yield RolloutService(opts.gateway, opts.admin_token, backend)
+        yield RolloutService(opts.gateway, opts.admin_token, opts.backend.make(run_id))
         return
     if not opts.model:
         raise ValueError("give --model DIR (served by an embedded gateway) or --gateway URL")
-    cfg = GatewayConfig(
-        model=opts.model,
-        host=opts.backend.gateway_host,
-        port=0,
-        store=str(opts.out / "gateway.db"),
+    with serving(
+        opts.model,
+        RunFolder(opts.out).gateway_store,
+        engine=engine,
+        backend=opts.backend,
+        run_id=run_id,
         max_tokens=opts.max_tokens,
         temperature=opts.temperature,
         upstreams=list(opts.upstreams),
         engine_threads=opts.engine_threads or max(1, (os.cpu_count() or 2) // 2),
-    )
-    with embedded(cfg, engine, backend) as service:
-        yield service
+    ) as stack:
+        yield stack.service
 
 
 def _select(opts: EvalOptions) -> list[Task]:
@@ -74,7 +73,7 @@ def run_rollouts(
     job = RolloutJob(
         harness_choice(opts),
         run_id=opts.run_id or opts.out.name,
-        state_path=opts.out / "runner.db",
+        state_path=RunFolder(opts.out).runner_state,
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
         seed=opts.seed,
@@ -95,7 +94,7 @@ def harness_choice(opts: EvalOptions) -> HarnessChoice:
 def run_eval(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     """pass@k, pass^k and mean reward (95% CI) over n >= k runs per task; writes report.json/.md,
     and status.json as it runs (openforgerl.run_status)."""
-    with recording(opts.out, "eval", tasks=opts.tasks, harness=opts.harness):
+    with RunFolder(opts.out).recording("eval", tasks=opts.tasks, harness=opts.harness):
         return _run_eval(opts, engine)
 
 
@@ -149,9 +148,10 @@ def _run_eval(opts: EvalOptions, engine: Engine | None) -> dict[str, Any]:
             statistics.median([r.seconds.get("total", 0.0) for r in results] or [0.0]), 2
         ),
     }
-    opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "report.json").write_text(json.dumps(report, indent=2))
-    (opts.out / "report.md").write_text(_markdown(report, summary.to_markdown() if summary else ""))
+    run = RunFolder(opts.out)
+    run.path.mkdir(parents=True, exist_ok=True)
+    run.report.write_text(json.dumps(report, indent=2))
+    run.report_md.write_text(_markdown(report, summary.to_markdown() if summary else ""))
     return report
 
 
@@ -236,7 +236,7 @@ def run_study(opts: EvalOptions, harnesses: list[str], engine: Engine | None = N
     for name in harnesses:  # every CLI is checked before the first evaluation starts
         harness_choice(dataclasses.replace(opts, harness=name)).check(tasks)
     reports = {}
-    with recording(opts.out, "study", tasks=opts.tasks) as record:
+    with RunFolder(opts.out).recording("study", tasks=opts.tasks) as record:
         for name in harnesses:
             one = dataclasses.replace(
                 opts, harness=name, out=opts.out / name, run_id=f"{opts.run_id or opts.out.name}-{name}"
@@ -244,9 +244,10 @@ def run_study(opts: EvalOptions, harnesses: list[str], engine: Engine | None = N
             with record.phase(name, name):
                 reports[name] = run_eval(one, engine)
     study = {"tasks": opts.tasks, "k": opts.k, "n": opts.n or opts.k, "seed": opts.seed, "harnesses": reports}
-    opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "study.json").write_text(json.dumps(study, indent=2))
-    (opts.out / "study.md").write_text(study_markdown(study))
+    run = RunFolder(opts.out)
+    run.path.mkdir(parents=True, exist_ok=True)
+    run.study.write_text(json.dumps(study, indent=2))
+    run.study_md.write_text(study_markdown(study))
     return study
 
 
@@ -296,7 +297,7 @@ def study_markdown(study: dict[str, Any]) -> str:
 def run_and_write_trajectories(opts: EvalOptions, engine: Engine | None = None) -> dict[str, Any]:
     """`openforge rollout`: run the tasks and write the training samples they produced (JSONL)."""
     results = run_rollouts(opts, engine)
-    path = opts.out / "samples.jsonl"
+    path = RunFolder(opts.out).samples
     n_samples = 0
     with path.open("w") as f:
         for r in results:

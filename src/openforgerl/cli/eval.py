@@ -8,6 +8,7 @@ import click
 
 from openforgerl.cli.options import eval_options, refusing_bad_network, rollout_options
 from openforgerl.eval_options import EvalOptions
+from openforgerl.run.folder import RunFolder
 
 
 @click.command("eval")
@@ -25,19 +26,18 @@ def eval_cmd(k: int, n: int | None, **kw: Any) -> None:
     names = kw.pop("harness")
     kw["harness"] = names[0]
     opts = eval_options(kw, k, n, f"runs/eval-{kw['tasks']}-{'-'.join(names)}")
+    run = RunFolder(opts.out)
     if len(names) > 1:
         from openforgerl.evaluate import run_study
 
         study = refusing_bad_network(lambda o: run_study(o, names), opts)
-        click.echo((opts.out / "study.md").read_text())
-        click.echo(
-            f"study: {opts.out / 'study.json'} and {opts.out / 'study.md'}; each harness in {opts.out}/NAME"
-        )
+        click.echo(run.study_md.read_text())
+        click.echo(f"study: {run.study} and {run.study_md}; each harness in {opts.out}/NAME")
         if not any(r["scored"] for r in study["harnesses"].values()):
             raise SystemExit(1)
         return
     report = refusing_bad_network(run_eval, opts)
-    click.echo((opts.out / "report.md").read_text())
-    click.echo(f"report: {opts.out / 'report.json'} and {opts.out / 'report.md'}")
+    click.echo(run.report_md.read_text())
+    click.echo(f"report: {run.report} and {run.report_md}")
     if report["scored"] == 0:
         raise SystemExit(1)

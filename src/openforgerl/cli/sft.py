@@ -16,6 +16,7 @@ from openforgerl.cli.options import (
     tuning_options,
 )
 from openforgerl.rl.config import SFTConfig
+from openforgerl.run.folder import RunFolder
 
 
 @click.command("sft")
@@ -129,7 +130,7 @@ def sft_cmd(
         try:
             samples = oracle_samples(
                 model_dir,
-                out_dir / "teacher",
+                RunFolder(out_dir).teacher.path,
                 tasks=tasks,
                 limit=limit,
                 show_work=show_work,
@@ -139,8 +140,9 @@ def sft_cmd(
         except HarnessNotInstalled as exc:
             raise click.ClickException(str(exc)) from exc
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_samples(samples, out_dir / "teacher" / "samples.jsonl")
-        click.echo(f"oracle teacher: {len(samples)} trajectories in {out_dir / 'teacher' / 'samples.jsonl'}")
+        teacher_file = RunFolder(out_dir).teacher.samples
+        write_samples(samples, teacher_file)
+        click.echo(f"oracle teacher: {len(samples)} trajectories in {teacher_file}")
     val: list[Sample] = []
     if val_data is not None:
         try:

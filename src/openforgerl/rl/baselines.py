@@ -29,8 +29,9 @@ from openforgerl.engines.base import Engine
 from openforgerl.rl.config import SFTConfig, TrainOptions
 from openforgerl.rl.trainer import MetricsLog, passed
 from openforgerl.rollouts.trajectory import Sample
+from openforgerl.run.folder import SAMPLES as SAMPLES_FILE
+from openforgerl.run.folder import RunFolder
 
-SAMPLES_FILE = "samples.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
@@ -86,11 +87,10 @@ def rejection_sampling_data(
 
     `engine`: the engine behind the gateway (None: the built-in engine on `model_dir`; a scripted
     one in tests)."""
-    from openforgerl.gateway.server import GatewayConfig
     from openforgerl.rl.loop import recorded_rollouts
     from openforgerl.rl.runs import run_tasks, step_tasks, training_tasks
     from openforgerl.rl.sft import write_samples
-    from openforgerl.rollouts.service import embedded
+    from openforgerl.run.stack import serving
 
     if n_tasks < 1 or group < 1:
         raise ValueError(f"n_tasks and group must be at least 1, not {n_tasks} and {group}")
@@ -112,15 +112,11 @@ def rejection_sampling_data(
     )
     chosen = step_tasks(training_tasks(opts), 0, n_tasks, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    gateway = GatewayConfig(
-        model=str(model_dir),
-        port=0,
-        store=str(out_dir / "gateway.db"),
-        max_tokens=max_tokens,
-        temperature=temperature,
-    )
-    with embedded(gateway, engine) as service:
-        results = run_tasks(service, chosen, group, out_dir, out_dir.name, opts, desc="rejection sampling")
+    run = RunFolder(out_dir)
+    with serving(
+        model_dir, run.gateway_store, engine=engine, max_tokens=max_tokens, temperature=temperature
+    ) as stack:
+        results = run_tasks(stack.service, chosen, group, out_dir, run.name, opts, desc="rejection sampling")
     scored = [r for r in recorded_rollouts(results) if r.reward is not None]
     wins = [r for r in scored if passed(r.reward or 0.0)]
     kept = [s for r in wins for s in r.samples if s.num_loss_tokens]
@@ -134,7 +130,7 @@ def rl_trained_tokens(run_dir: Path) -> int:
     """The tokens an RL run's trainer went forward and backward on, all steps together (the
     `tokens` of each step in its metrics.jsonl, counted once per PPO epoch)."""
     total = 0
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in RunFolder(run_dir).metrics.read_text().splitlines():
         row = json.loads(line)
         if int(row.get("step", 0)) > 0:
             total += int(row.get("tokens", 0))

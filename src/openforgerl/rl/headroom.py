@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from openforgerl.run.folder import HEADROOM as HEADROOM_FILE
+from openforgerl.run.folder import HEADROOM_STATE as STATE_DIR  # the measurement's runner state
+
 if TYPE_CHECKING:
     from openforgerl.engines.base import Engine
     from openforgerl.rl.config import TrainOptions
@@ -40,8 +43,6 @@ if TYPE_CHECKING:
     from openforgerl.rollouts.service import RolloutService
     from openforgerl.tasks import Task
 
-HEADROOM_FILE = "headroom.json"
-STATE_DIR = "headroom"  # the measurement's runner state, in the run folder
 CHECK_TASKS = 16  # tasks `train --check` samples when --headroom-tasks is not given
 SUCCESS = 1.0 - 1e-9  # a run succeeds at reward >= this (binary rewards; as the trainer's `passed`)
 
@@ -264,37 +265,28 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
     """`openforge train --check`: measure opts.model's headroom on opts.tasks through the engine,
     gateway and harness training would use, write headroom.json in opts.out, and train nothing.
     `engine` replaces the one opts.engine names (tests)."""
-    from openforgerl.gateway.server import GatewayConfig, serve_in_thread
-    from openforgerl.rl.runs import harness_choice, start_engine, training_tasks
+    from openforgerl.rl.runs import harness_choice, training_tasks
     from openforgerl.rollouts.runner import check_images
-    from openforgerl.rollouts.service import RolloutService
+    from openforgerl.run.folder import RunFolder
+    from openforgerl.run.stack import serving
 
     harness = harness_choice(opts)
     tasks = training_tasks(opts)
     harness.check(tasks)
     check_images(tasks, opts.backend.name)
-    model_dir = Path(opts.model)
-    push_first = False
-    if engine is None:
-        engine, push_first = start_engine(opts.engine, model_dir, 0)
     opts.out.mkdir(parents=True, exist_ok=True)
-    gw_cfg = GatewayConfig(
-        model=str(model_dir),
-        engine=opts.engine,
-        host=opts.backend.gateway_host,
-        port=0,
-        store=str(opts.out / "gateway.db"),  # the run's: a later `train --out` here reuses the rollouts
+    run = RunFolder(opts.out)
+    with serving(
+        opts.model,
+        run.gateway_store,  # the run's: a later `train --out` here reuses the rollouts
+        engine=engine or opts.engine,  # a server is loaded with the starting model, as the loop does
+        backend=opts.backend,
+        run_id=run.name,
         max_tokens=opts.max_tokens,
         max_context=opts.max_context,
         temperature=opts.temperature,
-    )
-    with serve_in_thread(gw_cfg, engine) as gw:
-        if push_first:  # a server holds weights of its own: load the starting model, as the loop does
-            import asyncio
-
-            asyncio.run_coroutine_threadsafe(engine.load_weights(str(model_dir.resolve())), gw.loop).result()
+    ) as stack:
         n = opts.headroom_tasks or CHECK_TASKS
-        service = RolloutService.of(gw, opts.backend.make(opts.out.name))
-        h = measure_headroom(service, opts, tasks, n_tasks=n, k=opts.headroom_k, out_dir=opts.out)
+        h = measure_headroom(stack.service, opts, tasks, n_tasks=n, k=opts.headroom_k, out_dir=opts.out)
     write(h, opts.out)
     return h

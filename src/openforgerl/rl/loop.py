@@ -93,20 +93,20 @@ from tqdm import tqdm
 
 from openforgerl import behaviour
 from openforgerl.engines.base import Engine
-from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.rl import headroom
 from openforgerl.rl.config import TrainOptions as TrainOptions
 from openforgerl.rl.config import run_settings
-from openforgerl.rl.runs import harness_choice, run_tasks, start_engine, step_tasks, training_tasks
+from openforgerl.rl.runs import harness_choice, run_tasks, step_tasks, training_tasks
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import check_images
 from openforgerl.rollouts.service import Cancel, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
-from openforgerl.run_status import recording
+from openforgerl.run.folder import SETTINGS, RunFolder
+from openforgerl.run.stack import serving
 from openforgerl.tasks import Task, load_tasks
 
-RUN_FILE = "run.json"
+RUN_FILE = SETTINGS  # run.json (run/folder.py names every file of a run)
 
 
 def load_settings(run_dir: Path) -> dict[str, Any]:
@@ -182,7 +182,7 @@ def evaluate(
         service,
         tasks,
         1,
-        opts.out / "evals" / f"{step:06d}",
+        RunFolder(opts.out).eval_state(step),
         f"{opts.out.name}-eval{step}",
         opts,
         sampling={"temperature": 0.0},
@@ -245,7 +245,7 @@ def collect_step(
     own runner state (steps/N/gen-B), until `batch_tasks` groups have mixed rewards; the first
     `batch_tasks` of those are kept, and only they go to the trainer."""
     started, t0 = time.time(), time.monotonic()
-    state_dir = opts.out / "steps" / f"{step:06d}"
+    state_dir = RunFolder(opts.out).step_state(step)
     drawn: list[Task] = []
     results: list[RolloutResult] = []
     for batch in range(max(opts.max_gen_batches, 1)):
@@ -410,13 +410,14 @@ def train(opts: TrainOptions, *, resume: bool = False) -> dict[str, Any]:
         raise FileExistsError(
             f"{opts.out} already holds a run: resume it with --resume, or pick another --out"
         )
-    with recording(opts.out, "train", tasks=opts.tasks, harness=opts.harness, steps=opts.steps):
+    with RunFolder(opts.out).recording("train", tasks=opts.tasks, harness=opts.harness, steps=opts.steps):
         return _train(opts, resume=resume)
 
 
 def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     harness = harness_choice(opts)  # an unknown harness fails here, before a model is loaded
-    run_dir = opts.out  # train() refused another run's folder already
+    run = RunFolder(opts.out)
+    run_dir = run.path  # train() refused another run's folder already
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_FILE).write_text(json.dumps(opts.to_json(), indent=2))
     train_tasks = training_tasks(opts)
@@ -427,44 +428,27 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     check_images([*train_tasks, *eval_tasks], opts.backend.name)  # tasks bound to an image: not local
 
     demonstrations = ptx_demonstrations(opts)
-    checkpoints = list(iter_checkpoints(run_dir / "checkpoints"))
     log = MetricsLog(run_dir)
-    if checkpoints:
-        last_step, last = checkpoints[-1]
-        trainer = Trainer.resume(
-            last,
-            opts.trainer,
-            group_size=opts.group,
-            reference_dir=opts.model,
-            demonstrations=demonstrations,
-        )
-        state = json.loads((last / "trainer_state.json").read_text())
-        if last_step not in log.steps() and "metrics" in state:
-            log.write(last_step, state["metrics"])  # the crash came between checkpoint and log
-        model_dir = last
-    else:
-        trainer = Trainer(opts.model, opts.trainer, group_size=opts.group, demonstrations=demonstrations)
-        model_dir = Path(opts.model)
-    engine, sync_first = start_engine(opts.engine, model_dir, trainer.policy_version)
-    gw_cfg = GatewayConfig(
-        model=str(model_dir),
-        engine=opts.engine,
-        host=opts.backend.gateway_host,
-        port=0,
-        store=str(run_dir / "gateway.db"),
-        max_tokens=opts.max_tokens,
-        max_context=opts.max_context,
-        temperature=opts.temperature,
-    )
+    trainer, model_dir = _start_trainer(opts, run, log, demonstrations)
     t_start = time.monotonic()
     try:
-        with serve_in_thread(gw_cfg, engine) as gw:
-            service = RolloutService.of(gw, opts.backend.make(run_dir.name))
+        # The engine at the trainer's policy version (a server is loaded with model_dir first,
+        # before any rollout and before the prefetcher starts), its gateway, the rollouts on it.
+        with serving(
+            model_dir,
+            run.gateway_store,
+            engine=opts.engine,
+            policy_version=trainer.policy_version,
+            backend=opts.backend,
+            run_id=run.name,
+            max_tokens=opts.max_tokens,
+            max_context=opts.max_context,
+            temperature=opts.temperature,
+        ) as stack:
+            engine, gw, service = stack.engine, stack.gateway, stack.service
             # A vision-language policy's samples name their images by digest; the gateway's store
             # keeps the bytes the engine saw, so the trainer recomputes logprobs on the same pixels.
             trainer.policy.image_source = gw.gateway.core.store.images_sync
-            if sync_first:  # before any rollout (and before the prefetcher starts)
-                _check_version(_push(trainer, engine, model_dir, gw.loop), trainer)
             if trainer.step == 0 and 0 not in log.steps():  # the starting policy, as step 0
                 start: dict[str, Any] = {}
                 if opts.headroom_tasks > 0:
@@ -502,13 +486,13 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
                     log.write(step, metrics)
                     if opts.progress:
                         bar.write(step_line(step, metrics))
-                    _prune(run_dir / "checkpoints", opts.keep_checkpoints)
+                    _prune(run.checkpoints, opts.keep_checkpoints)
             finally:
                 if prefetch is not None:
                     prefetch.close()  # before the gateway goes away under its rollouts
     finally:
         log.close()
-    final = list(iter_checkpoints(run_dir / "checkpoints"))
+    final = list(iter_checkpoints(run.checkpoints))
     return {
         "steps": trainer.step,
         "policy_version": trainer.policy_version,
@@ -516,6 +500,29 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
         "metrics": str(log.path),
         "seconds": round(time.monotonic() - t_start, 1),
     }
+
+
+def _start_trainer(
+    opts: TrainOptions, run: RunFolder, log: MetricsLog, demonstrations: list[Sample]
+) -> tuple[Trainer, Path]:
+    """The trainer, from the run's last checkpoint when it has one (resume) or from the starting
+    model, and the weights the engine starts on."""
+    checkpoints = list(iter_checkpoints(run.checkpoints))
+    if not checkpoints:
+        trainer = Trainer(opts.model, opts.trainer, group_size=opts.group, demonstrations=demonstrations)
+        return trainer, Path(opts.model)
+    last_step, last = checkpoints[-1]
+    trainer = Trainer.resume(
+        last,
+        opts.trainer,
+        group_size=opts.group,
+        reference_dir=opts.model,
+        demonstrations=demonstrations,
+    )
+    state = json.loads((last / "trainer_state.json").read_text())
+    if last_step not in log.steps() and "metrics" in state:
+        log.write(last_step, state["metrics"])  # the crash came between checkpoint and log
+    return trainer, last
 
 
 def _train_on(
@@ -546,7 +553,7 @@ def _train_on(
     metrics.update({f"behaviour/{k}": v for k, v in acted.items() if isinstance(v, int | float)})
     metrics.update(batch.metrics)
     t1 = time.monotonic()
-    checkpoint = opts.out / "checkpoints" / f"step-{step:06d}"
+    checkpoint = RunFolder(opts.out).checkpoint(step)
     trainer.save(checkpoint, metrics=metrics)
     metrics["time/save"] = time.monotonic() - t1
     if metrics["updated"]:

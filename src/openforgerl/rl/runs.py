@@ -1,7 +1,7 @@
 """What the RL loop, its headroom measurement (headroom.py) and the baselines share: the tasks a run
-draws, the harness it runs them with, the engine it starts, and one batch of rollouts. Below loop.py
-and headroom.py, so that the loop can measure headroom and the measurement can run rollouts as the
-loop does, without either importing the other."""
+draws, the harness it runs them with, and one batch of rollouts (the engine and gateway that serve
+them: run/stack.py). Below loop.py and headroom.py, so that the loop can measure headroom and the
+measurement can run rollouts as the loop does, without either importing the other."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from openforgerl.engines import make_engine
-from openforgerl.engines.base import Engine
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rl.config import TrainOptions
 from openforgerl.rollouts.results import RolloutResult
 from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
+from openforgerl.run.folder import RunFolder
+from openforgerl.run.stack import start_engine as start_engine  # the run layer's (run/stack.py)
 from openforgerl.tasks import Task, load_tasks
 
 
@@ -59,7 +59,7 @@ def run_tasks(
     job = RolloutJob(
         harness_choice(opts),
         run_id=run_id,
-        state_path=state_dir / "runner.db",
+        state_path=RunFolder(state_dir).runner_state,
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
         exclude_timeouts=training and opts.on_timeout == "exclude",
@@ -72,15 +72,3 @@ def harness_choice(opts: TrainOptions) -> HarnessChoice:
     """The run's harnesses (harnesses/launch.py), as `openforge eval` chooses them."""
     launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
     return HarnessChoice(opts.harness, launch)
-
-
-def start_engine(spec: str, model_dir: Path, version: int) -> tuple[Engine, bool]:
-    """The engine of `spec` and whether `model_dir` must be pushed into it before the first rollout.
-
-    The builtin engine loads `model_dir` itself: a resumed run's engine starts on the checkpoint's
-    weights, so its calls carry that version. A server holds weights of its own: it starts one
-    version back, and the push of `model_dir` brings it to `version`.
-    """
-    if spec == "builtin":
-        return make_engine(spec, str(model_dir), policy_version=version), False
-    return make_engine(spec, str(model_dir), policy_version=version - 1), True

@@ -255,11 +255,12 @@ def oracle_samples(
     `faulted`: of the chosen tasks that carry transient faults (tools-tiny-faults), only the first
     `faulted` keep them, the others run clean (None: all keep them); the teacher reads a failed file
     again. `backend`: where the sandboxes run (default local)."""
-    from openforgerl.gateway.server import GatewayConfig
     from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
     from openforgerl.rl.oracle_teacher import ORACLE_SUITES, OracleTeacherEngine, reference_solutions
     from openforgerl.rollouts.results import Status
-    from openforgerl.rollouts.service import RolloutJob, embedded
+    from openforgerl.rollouts.service import RolloutJob
+    from openforgerl.run.folder import RunFolder
+    from openforgerl.run.stack import serving
     from openforgerl.tasks import load_tasks
     from openforgerl.tasks.suites.tools_tiny import keep_faults
 
@@ -269,10 +270,11 @@ def oracle_samples(
     if faulted is not None:
         chosen = keep_faults(chosen, faulted)
     max_tokens = 1024 if tasks == "claw-basic" else 256  # a reference solution is one call: room for it
+    run = RunFolder(out)
     job = RolloutJob(
         HarnessChoice(harness, LaunchOptions(max_turns=max_turns, max_tokens=max_tokens)),
-        run_id=out.name,
-        state_path=out / "runner.db",
+        run_id=run.name,
+        state_path=run.runner_state,
         concurrency=concurrency,
     )
     backend = backend or BackendChoice()
@@ -280,15 +282,10 @@ def oracle_samples(
     out.mkdir(parents=True, exist_ok=True)
     solutions = reference_solutions() if tasks == "claw-basic" else {}
     teacher = OracleTeacherEngine(model_dir, chosen, show_work=show_work, solutions=solutions)
-    gateway = GatewayConfig(
-        model=str(model_dir),
-        host=backend.gateway_host,
-        port=0,
-        store=str(out / "gateway.db"),
-        max_tokens=max_tokens,
-    )
-    with embedded(gateway, teacher, backend.make(out.name)) as service:
-        results = service.run(chosen, 1, job, progress=progress)
+    with serving(
+        model_dir, run.gateway_store, engine=teacher, backend=backend, run_id=run.name, max_tokens=max_tokens
+    ) as stack:
+        results = stack.service.run(chosen, 1, job, progress=progress)
     return [s for r in results if r.status == Status.DONE and passed(r.reward or 0.0) for s in r.samples]
 
 

@@ -2,13 +2,13 @@
 
     job = RolloutJob(HarnessChoice("react"), run_id="eval", state_path=out / "runner.db")
     job.check(tasks)                                    # before a model is loaded
-    with embedded(GatewayConfig(model=model_dir, port=0, store=str(out / "gateway.db"))) as service:
-        for r in service.run(tasks, n, job):
+    with serving(model_dir, out / "gateway.db") as stack:       # run/stack.py
+        for r in stack.service.run(tasks, n, job):
             r.status, r.reward, r.calls, r.samples      # calls: typed records; samples: with r.reward
 
-A service talks to one gateway (its URL and admin token): `embedded` serves a model directory in a
-background thread for the service's lifetime, `RolloutService.of` takes a gateway the caller runs
-(the RL loop pushes weights into its own), `RolloutService(url, token)` a running one anywhere.
+A service talks to one gateway (its URL and admin token): `RolloutService.of` takes a gateway this
+process serves (the run layer's `run/stack.py` serving: engine, embedded gateway and service for a
+run), `RolloutService(url, token)` a running one anywhere.
 
 `run` (or `collect`, from inside an event loop) runs every task n times through the runner
 (runner.py: sandboxes, harnesses, verifiers, and the run's durable state, so a rerun finishes only
@@ -23,17 +23,15 @@ calls or builds samples itself. The reward's one source of truth is the result (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from openforgerl.engines.base import Engine
-from openforgerl.gateway.server import GatewayConfig, RunningGateway, serve_in_thread
+from openforgerl.gateway.server import RunningGateway
 from openforgerl.harnesses.launch import HarnessChoice, python_binds
 from openforgerl.rollouts.admin import AdminClient
 from openforgerl.rollouts.results import RolloutResult, Status
@@ -190,13 +188,3 @@ async def _complete(r: RolloutResult, admin: AdminClient, job: RolloutJob) -> No
     if r.calls is not None and r.status != Status.DROPPED:
         reward = float(r.reward or 0.0)
         r.samples = build_samples(r.calls, reward, include_side_requests=job.include_side_requests)
-
-
-@contextlib.contextmanager
-def embedded(
-    cfg: GatewayConfig, engine: Engine | None = None, backend: SandboxBackend | None = None
-) -> Iterator[RolloutService]:
-    """A service whose gateway this process serves for the block's lifetime (`engine`, or the one
-    `cfg` names, behind it)."""
-    with serve_in_thread(cfg, engine) as gateway:
-        yield RolloutService.of(gateway, backend)

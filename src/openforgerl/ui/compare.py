@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl.eval_stats import paired_difference
+from openforgerl.run.folder import REPORT
 
 REPORT_FIELDS = ("tasks", "harness", "n", "k", "temperature", "seed", "rollouts", "outcomes")
 
 
 def read_report(folder: Path) -> dict[str, Any] | None:
     try:
-        report = json.loads((folder / "report.json").read_text())
+        report = json.loads((folder / REPORT).read_text())
     except (OSError, ValueError):
         return None
     # An evaluation's report (openforge eval), not a demo's or a study's of several.

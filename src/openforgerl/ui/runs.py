@@ -14,25 +14,14 @@ from typing import Any
 
 import yaml
 
+from openforgerl.run.folder import EVALS_INDEX, OWN_FOLDERS, REPORT, RUN_MARKERS, RUNNER_STATE, SETTINGS
 from openforgerl.run_status import effective_state, read_status
 from openforgerl.store import run_state_progress, run_state_record
 
-# A folder holding any of these is a run.
-RUN_FILES = (
-    "metrics.jsonl",
-    "report.json",
-    "runner.db",
-    "gateway.db",
-    "config.json",
-    "config.yaml",
-    "config.yml",
-    "status.json",
-    "evals.jsonl",
-)
-# Folders a run keeps for itself, never runs of their own: checkpoints, a trainer's per-step runner
-# records (rl/loop.py: steps/NNNNNN, evals/NNNNNN, headroom/: the starting policy measured before
-# step 1), tensorboard logs.
-NOT_RUNS = {"checkpoints", "steps", "evals", "headroom", "tensorboard"}
+# A folder holding any of these is a run; the folders a run keeps for itself (checkpoints, a
+# trainer's per-step runner records, the headroom measurement's, tensorboard logs) are never runs.
+RUN_FILES = RUN_MARKERS
+NOT_RUNS = OWN_FOLDERS
 MAX_DEPTH = 4  # how deep under --runs run folders are looked for (the demo's are at demo/eval/NAME)
 
 
@@ -150,7 +139,7 @@ def metrics_after(rows: list[dict[str, Any]], after: float | None) -> list[dict[
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    for name in ("config.json", "config.yaml", "config.yml", "run.json"):  # run.json: openforge train's
+    for name in ("config.json", "config.yaml", "config.yml", SETTINGS):  # run.json: openforge train's
         path = folder / name
         if path.is_file():
             with contextlib.suppress(ValueError, yaml.YAMLError, OSError):
@@ -186,13 +175,13 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
     oldest first; the run's own report.json (an eval run) leads."""
     out: list[dict[str, Any]] = []
     seen: set[Path] = set()
-    own = folder / "report.json"
+    own = folder / REPORT
     if own.is_file():
         report = read_json(own)
         if isinstance(report, dict) and "summary" in report:  # an evaluation's (not the demo's)
-            out.append({"name": "this run", "step": None, "path": "report.json", "report": report})
+            out.append({"name": "this run", "step": None, "path": REPORT, "report": report})
             seen.add(own.resolve())
-    listed = folder / "evals.jsonl"
+    listed = folder / EVALS_INDEX
     if listed.is_file():
         for line in listed.read_text(errors="replace").splitlines():
             try:
@@ -205,7 +194,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
             if isinstance(path, str):
                 full = (folder / path).resolve()
                 if full.is_dir():
-                    full = full / "report.json"
+                    full = full / REPORT
                 seen.add(full)
                 report = read_json(full)
             if isinstance(report, dict):
@@ -213,7 +202,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
                 out.append({"name": name, "step": entry.get("step"), "path": path, "report": report})
     found = [
         p
-        for p in [*folder.glob("eval-*/report.json"), *folder.glob("eval/*/report.json")]
+        for p in [*folder.glob(f"eval-*/{REPORT}"), *folder.glob(f"eval/*/{REPORT}")]
         if p.resolve() not in seen
     ]
     for path in sorted(found, key=lambda p: p.stat().st_mtime):
@@ -226,7 +215,7 @@ def eval_reports(folder: Path) -> list[dict[str, Any]]:
 
 def report_headline(folder: Path) -> dict[str, Any] | None:
     """Mean reward, pass@1 and rollouts of the run's own report.json (an eval run), for the run list."""
-    report = read_json(folder / "report.json")
+    report = read_json(folder / REPORT)
     if not isinstance(report, dict):
         return None
     summary = report.get("summary") or {}
@@ -240,13 +229,13 @@ def report_headline(folder: Path) -> dict[str, Any] | None:
 
 def runner_progress(folder: Path) -> dict[str, int]:
     """Rollouts by state in the runner's own record (runner.db): pending, running, done, ..."""
-    return run_state_progress(folder / "runner.db")
+    return run_state_progress(folder / RUNNER_STATE)
 
 
 def runner_record(folder: Path | None, gateway_rollout_id: str) -> dict[str, Any] | None:
     """The runner's record of one rollout: outcome, harness exit and output tail, verifier details,
     seconds per phase."""
-    return run_state_record(folder / "runner.db", gateway_rollout_id) if folder is not None else None
+    return run_state_record(folder / RUNNER_STATE, gateway_rollout_id) if folder is not None else None
 
 
 FINAL_STATES = ("finished", "failed", "interrupted")
@@ -270,13 +259,13 @@ def run_status(
     if phase is not None:
         at = phase.get("finished_at") or phase.get("started_at")
         return {"source": "the run's status.json", **phase, "changed_at": at}
-    if folder is not None and (folder / "report.json").is_file():
-        return {"state": "finished", "source": "report.json", "changed_at": None}
+    if folder is not None and (folder / REPORT).is_file():
+        return {"state": "finished", "source": REPORT, "changed_at": None}
     if progress.get("running") or progress.get("pending") or open_rollouts:
-        source = "runner.db" if progress.get("running") or progress.get("pending") else "store"
+        source = RUNNER_STATE if progress.get("running") or progress.get("pending") else "store"
         return {"state": "running", "source": source, "changed_at": None}
     if progress:
-        return {"state": "finished", "source": "runner.db", "changed_at": None}
+        return {"state": "finished", "source": RUNNER_STATE, "changed_at": None}
     return {"state": "unknown", "source": "no status.json", "changed_at": None}
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from openforgerl.run.folder import GATEWAY_STORE, METRICS, TIMINGS
 from openforgerl.run_status import read_status
 from openforgerl.store.view import StoreView
 from openforgerl.ui.compare import comparable_groups, eval_key
@@ -78,7 +79,7 @@ class Viewer:
             return self._stores[key]
 
     def metrics(self, folder: Path) -> MetricsFile:
-        key = (folder / "metrics.jsonl").resolve()
+        key = (folder / METRICS).resolve()
         with self._lock:
             return self._metrics.setdefault(key, MetricsFile(key))
 
@@ -97,7 +98,7 @@ class Viewer:
         main = self.cfg.store.resolve() if self.cfg.store else None
         claimed: set[str] = set()  # run_ids of the main store that a folder stands for
         for name, folder, parent in run_folders(self.cfg.runs) if self.cfg.runs else []:
-            own = folder / "gateway.db"
+            own = folder / GATEWAY_STORE
             if own.is_file() and own.resolve() != main:
                 ids = self.store_view(own).run_ids()
                 if folder.name in ids or len(ids) <= 1:
@@ -146,7 +147,7 @@ class Viewer:
             if isinstance(folder, str) and (parent.folder / folder).resolve() == run.folder.resolve():
                 return phase
         # A demo from before status.json: timings.json has the seconds of each phase that finished.
-        timings = read_json(parent.folder / "timings.json")
+        timings = read_json(parent.folder / TIMINGS)
         key = run.name.removeprefix(f"{parent.name}/").replace("/", "-")
         if isinstance(timings, dict) and key in timings:
             return {"state": "finished", "seconds": timings[key], "source": "the run's timings.json"}
@@ -218,7 +219,7 @@ class Viewer:
             if run is not None:
                 named.add(run.name)
         # A demo from before status.json: its timings.json names the phases in the order they ran.
-        timings = read_json(top.folder / "timings.json") if top.folder else None
+        timings = read_json(top.folder / TIMINGS) if top.folder else None
         order = list(timings) if isinstance(timings, dict) else []
 
         def ran(run: Run) -> int:

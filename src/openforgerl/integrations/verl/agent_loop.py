@@ -47,7 +47,6 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 
-from openforgerl.gateway.server import GatewayConfig, serve_in_thread
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.integrations.verl.data import AGENT_NAME, task_from_row
 from openforgerl.integrations.verl.engine import ServerManager, VerlServerEngine
@@ -55,6 +54,8 @@ from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import OnFailure, OnTimeout
 from openforgerl.rollouts.service import RolloutJob, RolloutService
+from openforgerl.run.folder import RunFolder
+from openforgerl.run.stack import serving
 from openforgerl.sampling import derive_seed
 from openforgerl.tasks import Task
 
@@ -154,21 +155,23 @@ def worker_gateway(
         folder = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="openforge-verl-"))
         folder.mkdir(parents=True, exist_ok=True)
         store = folder / f"gateway-{os.getpid()}-{len(_GATEWAYS)}.db"
-        cfg = GatewayConfig(
-            model=model,
-            port=0,
-            store=str(store),
-            max_tokens=max_tokens,
-            max_context=max_context,
-            # Per rollout, the runner sets veRL's temperature and top_p (train or validation).
-            temperature=1.0,
-            top_p=1.0,
-            durability="normal",  # veRL's step is the unit of recovery, not a single call
-        )
         stack = contextlib.ExitStack()
-        running = stack.enter_context(serve_in_thread(cfg, engine))
-        service = RolloutService.of(running)
-        gw = WorkerGateway(running.url, running.gateway.admin_token, engine, store, service, stack)
+        served = stack.enter_context(
+            serving(
+                model,
+                store,
+                engine=engine,
+                max_tokens=max_tokens,
+                max_context=max_context,
+                # Per rollout, the runner sets veRL's temperature and top_p (train or validation).
+                temperature=1.0,
+                top_p=1.0,
+                durability="normal",  # veRL's step is the unit of recovery, not a single call
+            )
+        )
+        gw = WorkerGateway(
+            served.gateway.url, served.gateway.gateway.admin_token, engine, store, served.service, stack
+        )
         if not _GATEWAYS:
             atexit.register(close_worker_gateways)
         _GATEWAYS[key] = gw
@@ -283,7 +286,7 @@ class OpenForgeAgentLoop(AgentLoopBase):
         return RolloutJob(
             choice,
             run_id=run_id,
-            state_path=state / "runner.db",
+            state_path=RunFolder(state).runner_state,
             concurrency=1,
             infra_retries=o.infra_retries,
             on_failure=o.on_failure,
