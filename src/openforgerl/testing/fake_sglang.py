@@ -109,7 +109,9 @@ def fake_sglang_app(
             `--incremental-streaming-output`); by default each event holds everything so far.
         stream_delay_s: seconds between stream events.
     """
-    state = FakeSGLangState()
+    fake = _FakeSGLang(
+        engine, model_path, context_length, decode, incremental_streaming_output, stream_delay_s
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -121,29 +123,48 @@ def fake_sglang_app(
             if manage_engine:
                 await engine.close()
 
-    async def health(request: Request) -> Response:
-        return Response(status_code=200 if state.healthy else 503)
+    app = Starlette(
+        routes=[
+            Route("/health", fake.health, methods=["GET"]),
+            Route("/get_model_info", fake.get_model_info, methods=["GET"]),
+            Route("/generate", fake.generate, methods=["POST", "PUT"]),
+            Route("/update_weights_from_disk", fake.update_weights_from_disk, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.fake = fake.state
+    return app
 
-    async def get_model_info(request: Request) -> Response:
+
+@dataclass
+class _FakeSGLang:
+    """The fake server's endpoints over one engine (`fake_sglang_app`'s arguments)."""
+
+    engine: Engine
+    model_path: str
+    context_length: int
+    decode: Callable[[Sequence[int]], str] | None
+    incremental_streaming_output: bool
+    stream_delay_s: float
+    state: FakeSGLangState = field(default_factory=FakeSGLangState)
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.state.healthy else 503)
+
+    async def get_model_info(self, request: Request) -> Response:
         return JSONResponse(
             {
-                "model_path": model_path,
-                "tokenizer_path": model_path,
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
                 "is_generation": True,
-                "weight_version": str(engine.policy_version),
+                "weight_version": str(self.engine.policy_version),
                 "fake": True,
             }
         )
 
-    async def generate(request: Request) -> Response:
-        body = await request.json()
-        state.requests.append(body)
-        prompt = body.get("input_ids")
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            return _error("the fake SGLang server needs input_ids (a list of ints)", 400)
-        sp = body.get("sampling_params") or {}
-        max_new = int(sp.get("max_new_tokens", 128))
-        # SGLang's own wording, so clients can recognise a context-length refusal.
+    def _too_long(self, prompt: list[int], max_new: int) -> JSONResponse | None:
+        """SGLang's refusals of a prompt past the context, in its own wording (clients recognise it)."""
+        context_length = self.context_length
         if len(prompt) >= context_length:
             return _error(
                 f"The input ({len(prompt)} tokens) is longer than the model's context length "
@@ -158,13 +179,25 @@ def fake_sglang_app(
                 "number of tokens in the input messages or the completion to fit within the limit.",
                 400,
             )
+        return None
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        self.state.requests.append(body)
+        prompt = body.get("input_ids")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            return _error("the fake SGLang server needs input_ids (a list of ints)", 400)
+        sp = body.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 128))
+        refused = self._too_long(prompt, max_new)
+        if refused is not None:
+            return refused
         try:
             images = [image_from_data_url(u) for u in _as_list(body.get("image_data"))]
         except ImageError as e:
             return _error(f"image_data: {e}", 400)
-        temperature = float(sp.get("temperature", 1.0))
         sampling = SamplingParams(
-            temperature=temperature,
+            temperature=float(sp.get("temperature", 1.0)),
             top_p=float(sp.get("top_p", 1.0)),
             max_tokens=max_new,
             stop=tuple(_as_list(sp.get("stop"))),
@@ -172,7 +205,9 @@ def fake_sglang_app(
             seed=sp.get("sampling_seed"),
         )
         try:
-            result = await _generate_unless_disconnected(request, engine, prompt, sampling, images, state)
+            result = await _generate_unless_disconnected(
+                request, self.engine, prompt, sampling, images, self.state
+            )
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the connection is gone
         except EngineOverloaded as e:
@@ -181,16 +216,16 @@ def fake_sglang_app(
             return _error(str(e), 503, {"Retry-After": f"{e.retry_after:g}"})
         except EngineError as e:
             return _error(str(e), 400)
-        state.generated += 1
-        answer = _sglang_answer(body, prompt, result, decode, max_new)
+        self.state.generated += 1
+        answer = _sglang_answer(body, prompt, result, self.decode, max_new)
         if body.get("stream"):
-            events = _stream_events(answer, result, decode, incremental_streaming_output)
+            events = _stream_events(answer, result, self.decode, self.incremental_streaming_output)
             return StreamingResponse(
-                _send_events(events, state, stream_delay_s), media_type="text/event-stream"
+                _send_events(events, self.state, self.stream_delay_s), media_type="text/event-stream"
             )
         return JSONResponse(answer)
 
-    async def update_weights_from_disk(request: Request) -> Response:
+    async def update_weights_from_disk(self, request: Request) -> Response:
         body = await request.json()
         path = body.get("model_path")
         if not isinstance(path, str):
@@ -198,10 +233,10 @@ def fake_sglang_app(
                 {"success": False, "message": "model_path is required", "num_paused_requests": 0}, 400
             )
         try:
-            version = await engine.load_weights(path)
+            version = await self.engine.load_weights(path)
         except EngineError as e:
             return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, 400)
-        state.weight_updates.append(path)
+        self.state.weight_updates.append(path)
         return JSONResponse(
             {
                 "success": True,
@@ -209,18 +244,6 @@ def fake_sglang_app(
                 "num_paused_requests": 0,
             }
         )
-
-    app = Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/get_model_info", get_model_info, methods=["GET"]),
-            Route("/generate", generate, methods=["POST", "PUT"]),
-            Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
-        ],
-        lifespan=lifespan,
-    )
-    app.state.fake = state
-    return app
 
 
 class _ClientGone(Exception):
