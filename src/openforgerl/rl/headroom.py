@@ -265,27 +265,17 @@ def check(opts: TrainOptions, *, engine: Engine | None = None) -> Headroom:
     """`openforge train --check`: measure opts.model's headroom on opts.tasks through the engine,
     gateway and harness training would use, write headroom.json in opts.out, and train nothing.
     `engine` replaces the one opts.engine names (tests)."""
-    from openforgerl.rl.runs import harness_choice, training_tasks
+    from openforgerl.rl.runs import harness_choice, serving_run, training_tasks
     from openforgerl.rollouts.runner import check_images
-    from openforgerl.run.folder import RunFolder
-    from openforgerl.run.stack import serving
 
     harness = harness_choice(opts)
     tasks = training_tasks(opts)
     harness.check(tasks)
     check_images(tasks, opts.backend.name)
     opts.out.mkdir(parents=True, exist_ok=True)
-    run = RunFolder(opts.out)
-    with serving(
-        opts.model,
-        run.gateway_store,  # the run's: a later `train --out` here reuses the rollouts
-        engine=engine or opts.engine,  # a server is loaded with the starting model, as the loop does
-        backend=opts.backend,
-        run_id=run.name,
-        max_tokens=opts.max_tokens,
-        max_context=opts.max_context,
-        temperature=opts.temperature,
-    ) as stack:
+    # The run's store: a later `train --out` here reuses the rollouts. A server engine is loaded
+    # with the starting model first, as the loop does.
+    with serving_run(opts, opts.model, engine=engine) as stack:
         n = opts.headroom_tasks or CHECK_TASKS
         h = measure_headroom(stack.service, opts, tasks, n_tasks=n, k=opts.headroom_k, out_dir=opts.out)
     write(h, opts.out)

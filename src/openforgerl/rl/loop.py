@@ -96,14 +96,13 @@ from openforgerl.engines.base import Engine
 from openforgerl.rl import headroom
 from openforgerl.rl.config import TrainOptions as TrainOptions
 from openforgerl.rl.config import run_settings
-from openforgerl.rl.runs import harness_choice, run_tasks, step_tasks, training_tasks
+from openforgerl.rl.runs import harness_choice, run_tasks, serving_run, step_tasks, training_tasks
 from openforgerl.rl.trainer import MetricsLog, Rollout, Trainer, iter_checkpoints, passed
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import check_images
 from openforgerl.rollouts.service import Cancel, RolloutService
 from openforgerl.rollouts.trajectory import NO_VERSION, Sample
 from openforgerl.run.folder import SETTINGS, RunFolder
-from openforgerl.run.stack import serving
 from openforgerl.tasks import Task, load_tasks
 
 RUN_FILE = SETTINGS  # run.json (run/folder.py names every file of a run)
@@ -434,17 +433,7 @@ def _train(opts: TrainOptions, *, resume: bool) -> dict[str, Any]:
     try:
         # The engine at the trainer's policy version (a server is loaded with model_dir first,
         # before any rollout and before the prefetcher starts), its gateway, the rollouts on it.
-        with serving(
-            model_dir,
-            run.gateway_store,
-            engine=opts.engine,
-            policy_version=trainer.policy_version,
-            backend=opts.backend,
-            run_id=run.name,
-            max_tokens=opts.max_tokens,
-            max_context=opts.max_context,
-            temperature=opts.temperature,
-        ) as stack:
+        with serving_run(opts, model_dir, policy_version=trainer.policy_version) as stack:
             engine, gw, service = stack.engine, stack.gateway, stack.service
             # A vision-language policy's samples name their images by digest; the gateway's store
             # keeps the bytes the engine saw, so the trainer recomputes logprobs on the same pixels.

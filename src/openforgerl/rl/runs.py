@@ -6,15 +6,18 @@ measurement can run rollouts as the loop does, without either importing the othe
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from openforgerl.engines.base import Engine
 from openforgerl.harnesses.launch import HarnessChoice, LaunchOptions
 from openforgerl.rl.config import TrainOptions
 from openforgerl.rollouts.results import RolloutResult
 from openforgerl.rollouts.service import Cancel, RolloutJob, RolloutService
 from openforgerl.run.folder import RunFolder
+from openforgerl.run.stack import RunStack, serving
 from openforgerl.run.stack import start_engine as start_engine  # the run layer's (run/stack.py)
 from openforgerl.tasks import Task, load_tasks
 
@@ -72,3 +75,24 @@ def harness_choice(opts: TrainOptions) -> HarnessChoice:
     """The run's harnesses (harnesses/launch.py), as `openforge eval` chooses them."""
     launch = LaunchOptions(max_turns=opts.max_turns, max_tokens=opts.max_tokens, max_steps=opts.max_steps)
     return HarnessChoice(opts.harness, launch)
+
+
+@contextmanager
+def serving_run(
+    opts: TrainOptions, model_dir: str | Path, *, policy_version: int = 0, engine: Engine | None = None
+) -> Iterator[RunStack]:
+    """The run's engine (`engine`, or the one opts.engine names, at `policy_version`), its gateway
+    recording into the run folder at the run's sampling settings, and the rollout service on it."""
+    run = RunFolder(opts.out)
+    with serving(
+        model_dir,
+        run.gateway_store,
+        engine=engine or opts.engine,
+        policy_version=policy_version,
+        backend=opts.backend,
+        run_id=run.name,
+        max_tokens=opts.max_tokens,
+        max_context=opts.max_context,
+        temperature=opts.temperature,
+    ) as stack:
+        yield stack
