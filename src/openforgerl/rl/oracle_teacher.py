@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl.behaviour import is_error
-from openforgerl.engines.base import EngineError, GenerateResult, SamplingParams, TokenSink
+from openforgerl.engines.base import EngineError
 from openforgerl.images import Image
 from openforgerl.rl.prompt_tools import (
     SUBMIT_MARKER,
     ShellTool,
+    TextReplyEngine,
     rendered_tools,
     shell_tool,
     side_reply,
-    text_reply,
     tool_call_text,
 )
 from openforgerl.tasks import Task
@@ -64,11 +64,10 @@ _WRAPPER_LINES = re.compile(
 )
 
 
-class OracleTeacherEngine:
+class OracleTeacherEngine(TextReplyEngine):
     """An Engine that plays the tools-tiny oracle for `tasks` (logprobs are 0.0: not a sampled policy)."""
 
     name = "oracle-teacher"
-    supports_response_format = False
 
     def __init__(
         self,
@@ -87,16 +86,6 @@ class OracleTeacherEngine:
         self.tasks = list(tasks)
         self.show_work = show_work
         self.solutions = dict(solutions or {})
-
-    @property
-    def policy_version(self) -> int:
-        return 0
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     async def load_weights(self, path: str) -> int:
         raise EngineError("the oracle teacher has no weights")
@@ -213,18 +202,9 @@ class OracleTeacherEngine:
         names: list[str] = task.metadata["inputs"]
         return [task.files[n].strip() for n in names] == seen[: len(names)]
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
+    def see(self, prompt: str, images: Sequence[Image]) -> None:
         if images:
             raise EngineError("the oracle teacher takes no images")
-        return text_reply(
-            self.tokenizer, self.end_id, self.reply(self.tokenizer.decode(prompt_ids)), sampling, 0
-        )
 
 
 def _values(outputs: list[str], raw: list[str] | None = None) -> tuple[list[str], bool]:

@@ -9,11 +9,12 @@ scripted test policies) read them to act through whatever tools a harness offers
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from openforgerl.engines.base import GenerateResult, SamplingParams
+from openforgerl.engines.base import GenerateResult, SamplingParams, TokenSink
+from openforgerl.images import Image
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SYSTEM_START = "<|im_start|>system\n"
@@ -140,3 +141,43 @@ def text_reply(
         ids.append(end_id)
         return GenerateResult(ids, [logprob] * len(ids), "stop", version, end_id)
     return GenerateResult(ids, [logprob] * len(ids), "length", version)
+
+
+class TextReplyEngine:
+    """An Engine (engines/base.py) whose every answer is text from `reply(prompt text)`, returned
+    as a model would have sampled it (`text_reply`): the rule-based policies' common part.
+    Subclasses set `tokenizer` and `end_id`, and write `reply`; `see` is shown each prompt."""
+
+    name = "text-reply"
+    max_context: int | None = None  # no limit of its own: the gateway's applies
+    supports_response_format = False
+    tokenizer: Any
+    end_id: int
+    _version = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def reply(self, prompt: str) -> str:
+        raise NotImplementedError
+
+    def see(self, prompt: str, images: Sequence[Image]) -> None:
+        """Called with each prompt (decoded, special tokens kept) and its images before `reply`."""
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
+    ) -> GenerateResult:
+        prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        self.see(prompt, images)
+        return text_reply(self.tokenizer, self.end_id, self.reply(prompt), sampling, self._version)

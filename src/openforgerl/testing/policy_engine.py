@@ -22,25 +22,22 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from openforgerl.engines.base import GenerateResult, SamplingParams, TokenSink
 from openforgerl.images import Image
 from openforgerl.rl.prompt_tools import (
     SUBMIT_MARKER,
     TOOL_RESPONSE,
     TURN_END,
+    TextReplyEngine,
     rendered_tools,
     shell_tool,
     side_reply,
-    text_reply,
 )
 
 
-class ScriptedPolicyEngine:
+class ScriptedPolicyEngine(TextReplyEngine):
     """An Engine (see engines/base.py) whose every answer comes from `reply(prompt text)`."""
 
     name = "scripted-policy"
-    max_context: int | None = None  # no limit of its own: the gateway's applies
-    supports_response_format = False
 
     def __init__(
         self,
@@ -69,16 +66,6 @@ class ScriptedPolicyEngine:
         self.images: list[list[Image]] = []  # per call: the prompt's images (the policy ignores them)
         self._version = 0
 
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
     async def load_weights(self, path: str) -> int:
         self._version += 1
         return self._version
@@ -97,14 +84,6 @@ class ScriptedPolicyEngine:
             return shell.call(f"echo {SUBMIT_MARKER}")
         return f"Done: {self.filename} contains {self.content}."
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
-        prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+    def see(self, prompt: str, images: Sequence[Image]) -> None:
         self.prompts.append(prompt)
         self.images.append(list(images))
-        return text_reply(self.tokenizer, self.end_id, self.reply(prompt), sampling, self._version)
