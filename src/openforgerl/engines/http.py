@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypedDict
+from typing import Any, NoReturn, Protocol, TypedDict, Unpack
 
 import aiohttp
 import orjson
@@ -132,6 +132,15 @@ async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         scanned = max(0, len(buf) - 1)
     if buf.strip():
         raise aiohttp.ClientPayloadError("the event stream ended inside an event")
+
+
+class CallOptions(TypedDict, total=False):
+    """What one HTTP call to the server may carry besides its method and path."""
+
+    json: Any  # a body sent as JSON
+    data: bytes  # a body already encoded (JSON)
+    params: Mapping[str, str]  # the query
+    timeout_s: float  # the call's own timeout (default: the engine's)
 
 
 class HTTPEngineOptions(TypedDict, total=False):
@@ -254,20 +263,12 @@ class HTTPEngine:
     def _unavailable(self, e: BaseException) -> EngineUnavailable:
         return EngineUnavailable(f"{self.label} at {self.base_url}: {type(e).__name__}: {e}")
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        data: bytes | None = None,
-        params: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> Reply:
+    async def _send(self, method: str, path: str, **call: Unpack[CallOptions]) -> Reply:
         """One HTTP call, its answer read whole; transport failures (refused, reset, timed out) mean
         the server is unavailable. Cancelling it closes the connection (aiohttp does not pool a
         connection whose answer was not read to the end)."""
-        options = self._options(timeout_s)
+        json, data, params = call.get("json"), call.get("data"), call.get("params")
+        options = self._options(call.get("timeout_s"))
         if data is not None:
             options["headers"] = {**options.get("headers", {}), **_JSON}
         try:
@@ -278,18 +279,9 @@ class HTTPEngine:
         except _TRANSPORT_ERRORS as e:
             raise self._unavailable(e) from e
 
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        data: bytes | None = None,
-        params: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> Reply:
+    async def _request(self, method: str, path: str, **call: Unpack[CallOptions]) -> Reply:
         """One HTTP call with the server's error statuses mapped onto the engine errors."""
-        r = await self._send(method, path, json=json, data=data, params=params, timeout_s=timeout_s)
+        r = await self._send(method, path, **call)
         if r.status_code < 400:
             return r
         msg = f"{self.label} {method} {path} -> HTTP {r.status_code}: {error_message(r)}"
@@ -330,6 +322,9 @@ class HTTPEngine:
         """A parser for the events of the server's answer to `request_body` with `"stream": true`."""
         raise NotImplementedError
 
+    async def _before_generate(self, images: Sequence[Image]) -> None:
+        """What a server needs before a request is sent (vLLM: its model's name; it refuses images)."""
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -337,6 +332,7 @@ class HTTPEngine:
         images: Sequence[Image] = (),
         on_tokens: TokenSink | None = None,
     ) -> GenerateResult:
+        await self._before_generate(images)
         version, reloading = self._version, self._reloading
         # Cancelling this await closes the connection; the server aborts a request whose client left.
         result = await self._generate(prompt_ids, sampling, images, on_tokens, version)

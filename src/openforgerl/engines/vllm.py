@@ -81,7 +81,6 @@ from openforgerl.engines.base import (
     EngineUnavailable,
     GenerateResult,
     SamplingParams,
-    TokenSink,
 )
 from openforgerl.engines.http import HTTPEngine, HTTPEngineOptions, error_message
 from openforgerl.images import Image
@@ -266,13 +265,7 @@ class VLLMEngine(HTTPEngine):
     def _bad_request(self, message: str) -> EngineError | None:
         return _context_error(message)
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
+    async def _before_generate(self, images: Sequence[Image]) -> None:
         if images:
             # /v1/completions takes a token prompt or text, never images with it; the chat endpoint
             # would re-render the conversation and break the exact-ids record.
@@ -282,7 +275,6 @@ class VLLMEngine(HTTPEngine):
             )
         if self.model is None:
             await self._discover_model()
-        return await super().generate(prompt_ids, sampling, on_tokens=on_tokens)
 
     def request_body(
         self, prompt_ids: list[int], sampling: SamplingParams, images: Sequence[Image] = ()
