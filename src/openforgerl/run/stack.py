@@ -101,17 +101,16 @@ def serving(
     **settings: Any,
 ) -> Iterator[RunStack]:
     """The run's engine, gateway and rollout service for the block; the gateway closes the engine
-    (and its store) as it stops. `engine`: one already made (tests, the oracle teacher, veRL's), or
-    the spec of one to start on `model` at `policy_version` (builtin, vllm:URL, sglang:URL; None:
-    builtin; a server is first loaded with `model`, which brings it to that version). `settings` are the rest
-    of GatewayConfig's fields (max_tokens, temperature...). Sandboxes are the backend's for
-    `run_id` (local ones without a backend)."""
+    (and its store) as it stops. `engine`: one already made (tests, the oracle teacher, veRL's),
+    or the spec of one to start on `model` at `policy_version` (builtin, vllm:URL, sglang:URL;
+    None: builtin); a server is first loaded with `model`, which brings it to that version.
+    `settings` are the rest of GatewayConfig's fields (max_tokens, temperature...). Sandboxes are
+    the backend's for `run_id` (local ones without a backend)."""
     push_first = False
-    if engine is None or isinstance(engine, str):
-        engine = engine or GatewayConfig.engine
-        cfg = gateway_config(model, store, backend, engine=engine, **settings)
+    if engine is None or isinstance(engine, str):  # a spec: the run starts its engine here
+        cfg = gateway_config(model, store, backend, engine=engine or GatewayConfig.engine, **settings)
         engine, push_first = start_engine(
-            engine,
+            cfg.engine,
             Path(model),
             policy_version,
             threads=cfg.engine_threads,
