@@ -77,11 +77,16 @@ class Moves:
 Sabotage = Callable[[pytest.MonkeyPatch], None]
 
 
-def one_step(model_dir: Path, sampled: dict[str, list[Any]], sabotage: Sabotage | None = None) -> Moves:
+def one_step(
+    model_dir: Path,
+    sampled: dict[str, list[Any]],
+    sabotage: Sabotage | None = None,
+    cfg: TrainerConfig | None = None,
+) -> Moves:
     """One optimizer step on the trained groups (with `sabotage` applied while it trains), each
     rollout's log-likelihood re-scored with the new weights and compared with before."""
     trained, untrained = _rollouts(sampled)
-    trainer = Trainer(model_dir, TrainerConfig(lr=LR), group_size=len(REWARDS))
+    trainer = Trainer(model_dir, cfg or TrainerConfig(lr=LR), group_size=len(REWARDS))
     everything = [r.samples[0] for r in trained + untrained]
     before = trainer.sequence_logprobs(everything)
     advantages = algos.outcome_advantages([r.reward or 0.0 for r in trained], [r.group for r in trained])
@@ -152,6 +157,23 @@ def test_one_step_moves_each_rollout_the_way_its_advantage_says(tiny_model_dir: 
     assert m["update/logp_change_pos"] == pytest.approx(sum(pos) / len(pos), abs=1e-3)
     assert m["update/logp_change_pos_per_token"] > 0 > m["update/logp_change_neg_per_token"]
     assert m["update/logp_change_neg"] < 0 and m["time/measure_update"] >= 0
+
+
+def test_bf16_autocast_on_the_cpu_keeps_the_update_right_and_the_weights_fp32(
+    tiny_model_dir: Path, sampled: Any
+) -> None:
+    """precision "bf16": the forward runs in bf16 on the CPU (its logprobs differ from the fp32
+    engine's, so the importance weights are no longer exactly 1, but stay close), the master weights
+    stay fp32, and the step still moves every rollout the way its advantage says."""
+    with pytest.raises(ValueError, match="precision"):
+        TrainerConfig(precision="fp16")
+    moves = one_step(tiny_model_dir, sampled, cfg=TrainerConfig(lr=LR, precision="bf16"))
+    assert direction_failures(moves) == []
+    m = moves.metrics
+    assert m["is_weight_min"] < 1.0 < m["is_weight_max"]  # bf16 rounding, seen by the IS weights
+    assert 0.8 < m["is_weight_min"] and m["is_weight_max"] < 1.25
+    trainer = Trainer(tiny_model_dir, TrainerConfig(lr=LR, precision="bf16"), group_size=len(REWARDS))
+    assert {p.dtype for p in trainer.policy.model.parameters()} == {torch.float32}
 
 
 @pytest.mark.parametrize("sabotage", [negated_advantages, mask_one_position_off])

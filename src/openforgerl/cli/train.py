@@ -16,7 +16,14 @@ from openforgerl.cli.options import (
     sandbox_options,
     tuning_options,
 )
-from openforgerl.rl.config import LossConfig, TrainerConfig, TrainOptions, set_setting, setting_keys
+from openforgerl.rl.config import (
+    PRECISIONS,
+    LossConfig,
+    TrainerConfig,
+    TrainOptions,
+    set_setting,
+    setting_keys,
+)
 from openforgerl.rl.headroom import CHECK_TASKS
 
 
@@ -65,6 +72,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
             "ptx_coef",
             "ptx_batch",
             "device",
+            "precision",
         )
     },
     "micro_batch_tokens": ("trainer.micro_batch_tokens", _same),
@@ -126,6 +134,14 @@ _SET_ONLY = [
     show_default=True,
     help="Linear learning-rate warm-up over the first N optimizer updates (a fresh AdamW's first "
     "steps move every weight by about the lr).",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default=TrainerConfig.precision,
+    show_default=True,
+    help="The trainer's forward passes: fp32, or bf16 autocast over fp32 master weights (a CPU with "
+    "AVX512_BF16 doubles its matmul peak; logprobs then differ from the engine's, which --tis corrects).",
 )
 @click.option(
     "--clip-low", type=float, default=LossConfig.clip_ratio_low, show_default=True, help="PPO clip: 1 - low."

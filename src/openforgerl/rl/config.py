@@ -64,6 +64,9 @@ class Tuning:
         return value if isinstance(value, Tuning) else cls(**(value or {}))
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
 @dataclass
 class TrainerConfig:
     lr: float = 1e-5
@@ -98,10 +101,18 @@ class TrainerConfig:
     # After each step's updates, re-score the trained rollouts with the new weights and report how
     # their log-likelihood moved (`update/...` metrics): one extra forward pass, no gradients.
     measure_update: bool = True
+    # The forward passes' precision: "fp32", or "bf16" autocast over fp32 master weights (the
+    # optimizer and the saved checkpoint stay fp32). On a GPU the forward always runs under bf16
+    # autocast; on a CPU with AVX512_BF16 "bf16" doubles the matmul peak (benchmarks/rl_throughput.py)
+    # at the price of logprobs that differ from a fp32 engine's by ~1e-2 per token, which the
+    # importance weights (--tis) correct.
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.neg_adv_scale <= 1.0:
             raise ValueError(f"neg_adv_scale must be in [0, 1], not {self.neg_adv_scale:g}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainerConfig:

@@ -183,9 +183,11 @@ class Policy:
         tuning: Tuning | None = None,
         adapter_dir: str | Path | None = None,
         warmup_steps: int = 0,
+        precision: str = "fp32",
     ) -> None:
         """`adapter_dir`: a saved LoRA adapter to continue training on `model_dir` (the frozen base);
-        `warmup_steps`: the rate rises linearly to `lr` over that many updates (`clip_and_step`)."""
+        `warmup_steps`: the rate rises linearly to `lr` over that many updates (`clip_and_step`);
+        `precision`: "bf16" runs the forward under bf16 autocast on a CPU too (a GPU always does)."""
         from transformers import AutoTokenizer
 
         self.tuning = tuning or Tuning()
@@ -198,7 +200,9 @@ class Policy:
         self.tokenizer: Any = (
             self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_dir)
         )
-        # fp32 master weights everywhere; on a GPU the forward runs under bf16 autocast.
+        # fp32 master weights everywhere; on a GPU (or with precision "bf16") the forward runs under
+        # bf16 autocast.
+        self.bf16 = precision == "bf16" or self.device.type == "cuda"
         self.model: Any = vision.load_model(model_dir).to(self.device)
         base = self.model
         if self.tuning.gradient_checkpointing:
@@ -306,7 +310,7 @@ class Policy:
         """(B, P, V) float32 logits on the loss positions, divided by the temperature, with the
         tokens the engine never samples masked out."""
         model = model or self.model
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
         skip = batch.shared
         inputs: dict[str, Any] = {"input_ids": batch.ids, "attention_mask": batch.attention, **batch.vision}
         if skip:

@@ -198,6 +198,7 @@ class Trainer:
             tuning=cfg.tuning,
             adapter_dir=adapter_dir,
             warmup_steps=cfg.warmup_steps,
+            precision=cfg.precision,
         )
         self.actor_config = algos.actor_config(cfg.loss, group_size)
         self.reference: Any = None

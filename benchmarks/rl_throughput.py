@@ -1,0 +1,407 @@
+"""RL throughput on this machine, against its own limits (issue #34): one run, side by side.
+
+    .venv/bin/python benchmarks/rl_throughput.py [--quick] [--model SFT_DIR] [--out runs/rl-throughput]
+
+What it measures, each in a fresh process (OpenMP settings are read when torch loads; the runs
+must not share warm caches):
+- peak       a large torch matmul, fp32 and bf16 GFLOPS on the engine's thread count: the
+             denominator of every MFU below
+- engine     decode tokens/s of the built-in engine at batch 1, 8, 16, 32 (fp32 and bf16), and of
+             vLLM's CPU build (`.venv-vllm`, from `make test-vllm`) when it is there; decode alone:
+             the time of a max_tokens=1 batch (the prefill) is taken off
+- trainer    tokens/s of one update (forward, backward, AdamW) in fp32 and under bf16 autocast, and
+             its MFU against the peak of the precision it computes in (6 x params FLOPs a token)
+- rl         GRPO steps of SmolLM2-135M-Instruct (after SFT) on tools-tiny through `openforge
+             train`: today's default path (`baseline`) beside the fastest settings measured
+             (`fast`), same tasks, seed and model; rollouts/hour, the step split into rollout,
+             update and weight push, and the engine/trainer logprob agreement of each path
+
+Without --model the SFT student is made first (96 oracle demonstrations, one epoch, as
+benchmarks/real_model.py does) and kept in --out. Prints one JSON object and writes it to
+benchmarks/results/rl_throughput.json (--quick: rl_throughput_quick.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+THREADS = 2
+SMOLLM2_PARAMS = 134_515_008  # its matmul weights, the tied LM head included (gpu_students.json)
+
+
+def _in_fresh_process(fn: str, *args: Any) -> Any:
+    """Run `fn(*args)` of this module in a new interpreter; its JSON result."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import rl_throughput as b; "
+        f"print('RESULT' + json.dumps(b.{fn}(*json.loads(sys.argv[2]))))"
+    )
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{fn}{args} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT") :])
+
+
+# -- peak --------------------------------------------------------------------------------------
+
+
+def peak(n: int) -> dict[str, float]:
+    """GFLOPS of an n x n matmul, the median of 5, in fp32 and bf16."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        out[name] = round(2 * n**3 / statistics.median(times) / 1e9, 1)
+    return out
+
+
+# -- engine ------------------------------------------------------------------------------------
+
+
+def _prompt(tokenizer: Any) -> list[int]:
+    # About the length of a ReAct harness's first call on tools-tiny (~400 tokens).
+    text = "Write a long story about a lighthouse keeper. " * 40
+    ids: list[int] = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
+    return ids
+
+
+async def _decode_rates(
+    engine: Any, prompt: list[int], batches: list[int], tokens: int
+) -> list[dict[str, Any]]:
+    import asyncio
+
+    from openforgerl.engines.base import SamplingParams
+
+    async def batch_of(b: int, max_tokens: int) -> tuple[float, int]:
+        params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(b)]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+        return time.perf_counter() - t0, sum(len(r.completion_ids) for r in results)
+
+    await batch_of(1, 4)  # warm-up
+    rows = []
+    for b in batches:
+        prefill_s, _ = await batch_of(b, 1)
+        total_s, generated = await batch_of(b, tokens)
+        decoded = generated - b  # the first token of each row came with the prefill
+        rate = decoded / max(total_s - prefill_s, 1e-9)
+        rows.append(
+            {
+                "batch": b,
+                "decode_tokens_per_s": round(rate, 1),
+                "prefill_s": round(prefill_s, 2),
+                "seconds": round(total_s, 2),
+                "tokens": generated,
+                "mfu": None,  # filled in against the peak
+            }
+        )
+    return rows
+
+
+def builtin_engine(model: str, dtype: str, batches: list[int], tokens: int) -> list[dict[str, Any]]:
+    import asyncio
+
+    from openforgerl.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(
+        model, threads=THREADS, dtype=dtype, max_batch_size=max(batches), prefix_cache_mb=0
+    )
+
+    async def go() -> list[dict[str, Any]]:
+        await engine.start()
+        try:
+            return await _decode_rates(engine, _prompt(engine.tokenizer), batches, tokens)
+        finally:
+            await engine.close()
+
+    return asyncio.run(go())
+
+
+def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[str, Any]:
+    """The same measurement against vLLM's CPU build, served from `.venv-vllm` on loopback."""
+    import asyncio
+    import signal
+    import socket
+
+    from transformers import AutoTokenizer
+
+    from openforgerl.engines.vllm import VLLMEngine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "all",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    cmd = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+        "--max-num-seqs", str(max(batches)), "--logprobs-mode", "processed_logprobs",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    try:
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() - t0 > 600:
+                raise RuntimeError(f"vLLM did not start: {Path(log).read_text()[-2000:]}")
+            time.sleep(1)
+        ready_s = time.monotonic() - t0
+        prompt = _prompt(AutoTokenizer.from_pretrained(model))
+
+        async def go() -> list[dict[str, Any]]:
+            engine = VLLMEngine(url, model=model)
+            await engine.start()
+            try:
+                return await _decode_rates(engine, prompt, batches, tokens)
+            finally:
+                await engine.close()
+
+        return {"ready_s": round(ready_s, 1), "rows": asyncio.run(go())}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- trainer -----------------------------------------------------------------------------------
+
+
+def trainer_speed(model: str, precision: str, rows: int, length: int, repeats: int) -> dict[str, Any]:
+    """Tokens/s of one update (forward, backward, AdamW) on rows x length tokens, the median of
+    `repeats` after a warm-up, through the trainer's own Policy."""
+    import torch
+
+    from openforgerl.rl import algos
+    from openforgerl.rl.policy import Policy
+    from openforgerl.testing.samples import one_turn_sample
+
+    torch.set_num_threads(THREADS)
+    policy = Policy(model, lr=1e-6, precision=precision)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(rows):
+        ids = torch.randint(0, 40_000, (length,), generator=g).tolist()
+        half = length // 2
+        samples.append(one_turn_sample(ids[:half], ids[half:], [0.0] * (length - half), f"s{i}"))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        batch = policy.collate(samples)
+        loss = algos.sft_loss(policy.logprobs(batch, temperature=1.0), batch.mask, int(batch.mask.sum()))
+        loss.backward()
+        policy.clip_and_step(1.0)
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times[1:])
+    return {
+        "precision": precision,
+        "tokens": rows * length,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(rows * length / seconds, 1),
+    }
+
+
+# -- rl ----------------------------------------------------------------------------------------
+
+
+def make_student(out: Path) -> Path:
+    """SmolLM2-135M-Instruct after SFT on 96 oracle demonstrations (kept in `out`)."""
+    sft = out / "student"
+    if (sft / "model.safetensors").exists():
+        return sft
+    from openforgerl.modelkit.pretrained import cached_pretrained
+    from openforgerl.rl.sft import SFTConfig, SFTTrainer, load_sft_data, oracle_samples, write_samples
+
+    base = cached_pretrained("smollm2-135m-instruct")
+    samples = oracle_samples(base, out / "teacher", limit=96, max_turns=6, concurrency=8, progress=False)
+    write_samples(samples, out / "teacher" / "samples.jsonl")
+    trainer = SFTTrainer(base, SFTConfig(lr=5e-5, epochs=1, batch_size=8, seed=0))
+    trainer.fit(
+        load_sft_data(out / "teacher" / "samples.jsonl", trainer.policy.tokenizer), sft, progress=False
+    )
+    return sft
+
+
+# The shared setting of every path: tasks the teacher did not see, groups of 8, T = 0.7.
+RL_COMMON = [
+    "--group", "8", "--batch-tasks", "2", "--temperature", "0.7", "--skip-tasks", "96",
+    "--max-tokens", "96", "--lr", "2e-6", "--seed", "0",
+]  # fmt: skip
+PATHS = {
+    "baseline": [],  # today's defaults: 8 rollouts at a time, the trainer in fp32
+    # Every rollout of a step at once (bigger decode batches), the trainer under bf16 autocast.
+    "fast": ["--concurrency", "16", "--precision", "bf16"],
+}
+
+
+def rl_path(model: str, name: str, steps: int, out: str) -> dict[str, Any]:
+    run = Path(out) / f"rl-{name}"
+    subprocess.run(["rm", "-rf", str(run)], check=True)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
+           "--steps", str(steps), *RL_COMMON, *PATHS[name]]  # fmt: skip
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    steps_m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps_m = [m for m in steps_m if m.get("step", 0) >= 1]
+    step_s = sum(m["time/step"] for m in steps_m)
+    rollouts = sum(m["rollouts"] for m in steps_m)
+
+    def total(key: str) -> float:
+        return round(sum(m.get(key, 0.0) for m in steps_m), 1)
+
+    agreement = [m for m in steps_m if "rollout_corr/log_ppl_abs_diff" in m]
+    return {
+        "settings": PATHS[name],
+        "steps": len(steps_m),
+        "rollouts": rollouts,
+        "rollouts_per_hour": round(rollouts * 3600 / step_s, 1),
+        "seconds": {
+            "steps": round(step_s, 1),
+            "rollout": total("time/rollout"),
+            "train": total("time/train"),
+            "push": total("time/push"),
+            "save": total("time/save"),
+            "process": round(wall, 1),
+        },
+        "pass_rate": [m["pass_rate"] for m in steps_m],
+        "rollout_tokens": [m.get("rollout_tokens") for m in steps_m],
+        "trainer_tokens_per_s": [m["tokens_per_s"] for m in steps_m if "tokens_per_s" in m],
+        "logprob_agreement": {
+            "log_ppl_abs_diff_max": max(
+                (m["rollout_corr/log_ppl_abs_diff"] for m in agreement), default=None
+            ),
+            "is_weight_min": min((m["is_weight_min"] for m in agreement), default=None),
+            "is_weight_max": max((m["is_weight_max"] for m in agreement), default=None),
+        },
+    }
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer batches, steps and repeats (minutes)")
+    ap.add_argument("--model", help="the SFT student (default: made in --out)")
+    ap.add_argument("--out", type=Path, default=Path("runs/rl-throughput"))
+    ap.add_argument("--rl-steps", type=int, default=3, help="GRPO steps of each path (not --quick)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: engine,vllm,trainer,rl")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    model = args.model or str(make_student(args.out.resolve()))
+    batches = [1, 8, 16] if args.quick else [1, 8, 16, 32]
+    tokens = 32 if args.quick else 64
+    result: dict[str, Any] = {"model": model, "quick": args.quick, "threads": THREADS, "cpus": os.cpu_count()}
+    result["peak_gflops"] = _in_fresh_process("peak", 2048)
+    gflop_per_token = 2 * SMOLLM2_PARAMS / 1e9
+
+    def with_mfu(rows: list[dict[str, Any]], precision: str) -> list[dict[str, Any]]:
+        for r in rows:
+            r["mfu"] = round(r["decode_tokens_per_s"] * gflop_per_token / result["peak_gflops"][precision], 3)
+        return rows
+
+    if "engine" not in skip:
+        engines = {
+            "builtin_fp32": with_mfu(
+                _in_fresh_process("builtin_engine", model, "float32", batches, tokens), "fp32"
+            ),
+            "builtin_bf16": with_mfu(
+                _in_fresh_process("builtin_engine", model, "bfloat16", batches, tokens), "bf16"
+            ),
+        }
+        notes = {}
+        if "vllm" in skip:
+            notes["vllm_cpu_fp32"] = "left out (--skip vllm)"
+        elif not VLLM_PYTHON.exists():
+            notes["vllm_cpu_fp32"] = "not measured: no .venv-vllm (make test-vllm builds it)"
+        else:
+            try:
+                log = str(args.out.resolve() / "vllm.log")
+                v = _in_fresh_process("vllm_engine", model, batches, tokens, log)
+                engines["vllm_cpu_fp32"] = with_mfu(v["rows"], "fp32")
+                notes["vllm_cpu_fp32"] = f"server ready in {v['ready_s']} s (torch.compile on)"
+            except RuntimeError as e:
+                notes["vllm_cpu_fp32"] = f"failed: {str(e)[-500:]}"
+        at16 = {k: next(r for r in rows if r["batch"] == 16) for k, rows in engines.items()}
+        result["engine"] = {
+            **engines,
+            "decode_tokens_per_s": {k: r["decode_tokens_per_s"] for k, r in at16.items()},
+            "decode_mfu_batch16": {k: r["mfu"] for k, r in at16.items()},
+            "notes": notes,
+        }
+    if "trainer" not in skip:
+        rows, length, repeats = (4, 512, 2) if args.quick else (8, 512, 3)
+        trainer = {
+            p: _in_fresh_process("trainer_speed", model, p, rows, length, repeats) for p in ("fp32", "bf16")
+        }
+        for p, t in trainer.items():
+            t["mfu"] = round(t["tokens_per_s"] * 3 * gflop_per_token / result["peak_gflops"][p], 3)
+        result["trainer"] = {
+            **trainer,
+            "mfu": trainer["bf16"]["mfu"],
+            "bf16_speedup": round(trainer["bf16"]["tokens_per_s"] / trainer["fp32"]["tokens_per_s"], 2),
+        }
+    if "rl" not in skip:
+        steps = 1 if args.quick else args.rl_steps
+        base = rl_path(model, "baseline", steps, str(args.out.resolve()))
+        fast = rl_path(model, "fast", steps, str(args.out.resolve()))
+        result["baseline"] = {"rl": base}
+        result["rl"] = {
+            **fast,
+            "speedup_vs_baseline": round(fast["rollouts_per_hour"] / base["rollouts_per_hour"], 2),
+        }
+    result["load_average"] = os.getloadavg()
+    result["wall_s"] = round(time.monotonic() - t_start, 1)
+    text = json.dumps(result, indent=2)
+    print(text)
+    (RESULTS / ("rl_throughput_quick.json" if args.quick else "rl_throughput.json")).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
