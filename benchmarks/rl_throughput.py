@@ -162,7 +162,6 @@ def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[s
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": "all",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
