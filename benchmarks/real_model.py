@@ -38,6 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fresh_process import in_fresh_process
+
 RESULTS = Path(__file__).resolve().parent / "results" / "real_model.json"
 MODEL = "smollm2-135m-instruct"
 
@@ -171,21 +174,7 @@ def _trainer_speed(model: str, lora_rank: int, checkpointing: bool, rows: int, l
 
 
 def _in_subprocess(kind: str, env: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import real_model as b; "
-        f"print('RESULT ' + json.dumps(b._{kind}(**json.loads(sys.argv[2]))))"
-    )
-    full_env = {**os.environ, **(env or {})}
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(kw)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{kind} {kw} failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result: dict[str, Any] = in_fresh_process("real_model", f"_{kind}", env=env, **kw)
     return result
 
 

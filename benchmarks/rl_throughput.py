@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fresh_process import in_fresh_process
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -41,23 +44,7 @@ SMOLLM2_PARAMS = 134_515_008  # its matmul weights, the tied LM head included (g
 
 
 def _in_fresh_process(fn: str, *args: Any) -> Any:
-    """Run `fn(*args)` of this module in a new interpreter; its JSON result."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import rl_throughput as b; "
-        f"print('RESULT' + json.dumps(b.{fn}(*json.loads(sys.argv[2]))))"
-    )
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{fn}{args} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT") :])
+    return in_fresh_process("rl_throughput", fn, *args, env={"OMP_WAIT_POLICY": "PASSIVE"})
 
 
 # -- peak --------------------------------------------------------------------------------------
