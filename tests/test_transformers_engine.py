@@ -451,3 +451,39 @@ def test_the_gateways_builtin_engine_takes_the_prefix_cache_size(tiny_model_dir:
     for mb, size in ((0.0, 0), (1.5, 3 << 19)):
         engine = make_engine("builtin", str(tiny_model_dir), prefix_cache_mb=mb)
         assert isinstance(engine, TransformersEngine) and engine.prefix_cache.max_bytes == size
+
+
+def test_a_groups_shared_prompt_is_prefilled_once(tiny_model_dir: Path) -> None:
+    """A GRPO group's rollouts send one first prompt at once, and every rollout opens with the same
+    system prompt: the first of each runs whole, the others wait a pass for its KV and run only what
+    differs. Tokens and logprobs stay those of prompts prefilled apart (engine without a cache)."""
+    group = 6
+    seeded = [replace(SEEDED, seed=s) for s in range(group)]
+    Sampled = tuple[int, list[list[int]], list[GenerateResult], dict[str, int]]
+
+    async def sample(**kwargs: Any) -> Sampled:
+        async with running(tiny_model_dir, max_batch_size=2 * group, batch_wait_ms=200, **kwargs) as engine:
+            system = prompt(engine, "You are an agent in a workspace. Use the tools to read files. " * 4)
+            # The two tasks differ from their first token after the system prompt.
+            tails = [prompt(engine, f"{w} copy a.txt" + " now" * n) for w, n in (("Do", 30), ("Go", 60))]
+            tasks = [system + t for t in tails]
+            prompts = [tasks[i % 2] for i in range(2 * group)]
+            calls = [engine.generate(p, seeded[i // 2]) for i, p in enumerate(prompts)]
+            results = await asyncio.gather(*calls)
+            return len(system), prompts, list(results), dict(engine.stats)
+
+    async def main() -> None:
+        system, prompts, shared, stats = await sample()
+        assert stats["batches"] == 1  # all arrived together
+        # Task 1 whole; task 2 all but the system prompt; every other row its last token only.
+        assert stats["prefill_tokens"] == len(prompts[0]) + len(prompts[1]) - system + 2 * group - 2
+        _, _, apart, stats_apart = await sample(prefix_cache_mb=0)
+        assert stats_apart["prefill_tokens"] == sum(map(len, prompts))
+        for a, b in zip(shared, apart, strict=True):
+            assert a.completion_ids == b.completion_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < LOGPROB_TOL
+        for p, r in zip(prompts, shared, strict=True):
+            expected = teacher_logprobs(tiny_model_dir, p, r, 1.0)
+            assert (expected - torch.tensor(r.logprobs)).abs().max().item() < LOGPROB_TOL
+
+    run(main)

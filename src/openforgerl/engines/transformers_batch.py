@@ -95,6 +95,20 @@ def kv_layers(cache: DynamicCache) -> list[Any]:
     return list(cache.layers)
 
 
+def kv_bytes_per_token(batch: Batch) -> int:
+    """Bytes one token's keys and values take over all layers of the batch's cache."""
+    return sum(2 * la.keys[0, :, 0].numel() * la.keys.element_size() for la in kv_layers(batch.cache))
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share from the start."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def row_kv(batch: Batch, i: int) -> tuple[list[int], KV] | None:
     """Row i's tokens (its prompt and completion but the last token, which never ran) and their KV,
     for the prefix cache: the positions its mask marks real (indexing copies them out of the batch).

@@ -68,10 +68,12 @@ from openforgerl.engines.transformers_batch import (
     Request,
     Swap,
     deliver,
+    kv_bytes_per_token,
     merge,
     pad_left,
     row_kv,
     select,
+    shared_prefix,
     stream,
 )
 from openforgerl.engines.transformers_sampler import end_of, sample
@@ -92,6 +94,9 @@ from openforgerl.vision import (
 # MIN_PREFILL_CHUNK of its own, so a wide batch does not take hundreds of passes).
 PREFILL_CHUNK_TOKENS = 2048
 MIN_PREFILL_CHUNK = 256
+# A prompt waits one prefill pass for the KV of another that opens alike only when that spares
+# it at least this many tokens: a pass of its own costs about as much as a few dozen tokens.
+SHARED_PREFIX_GAIN = 64
 
 
 class TransformersEngine:
@@ -429,24 +434,56 @@ class TransformersEngine:
 
     def _prefill(self, reqs: list[Request]) -> Batch | None:
         """Prefill the prompts of `reqs`, those opening with a cached prefix from its KV (only the
-        rest runs), the others whole; returns them as one batch."""
-        reqs = [r for r in reqs if not r.cancelled]
-        if not reqs:
+        rest runs), the others whole; returns them as one batch.
+
+        A prompt that opens like another one of `reqs`, for more than the cache already gives it,
+        waits one pass for that prompt's KV (a GRPO group's rollouts all send one first prompt,
+        every rollout the same system prompt): each pass keeps its prompts' KV in the prefix
+        cache, and the next pass serves the waiting prompts from there, as vLLM's automatic
+        prefix caching does within a batch."""
+        pending = [r for r in reqs if not r.cancelled]
+        if not pending:
             return None
         self.stats["batches"] += 1
-        self.stats["requests"] += len(reqs)
-        hits, cold = [], []
+        self.stats["requests"] += len(pending)
+        batch: Batch | None = None
+        while pending:
+            hits, cold, pending = self._this_pass(pending)
+            for part in (self._prefill_cached(hits) if hits else None, self._prefill_together(cold)):
+                if part is not None:
+                    self._keep_prompts(part)
+                    batch = part if batch is None else merge(batch, part)
+        return batch
+
+    def _this_pass(
+        self, reqs: list[Request]
+    ) -> tuple[list[tuple[Request, int, KV]], list[Request], list[Request]]:
+        """(cache hits, cold prompts) to prefill now, and the prompts that wait for their KV."""
+        hits: list[tuple[Request, int, KV]] = []
+        cold: list[Request] = []
+        now: list[Request] = []
+        waiting: list[Request] = []
         for r in reqs:
-            hit = self.prefix_cache.lookup(r.prompt_ids) if self._caches_prefixes(r) else None
+            if not self._caches_prefixes(r):
+                cold.append(r)
+                continue
+            hit = self.prefix_cache.lookup(r.prompt_ids)
+            have = hit[0] if hit else 0
+            if any(shared_prefix(r.prompt_ids, o.prompt_ids) >= have + SHARED_PREFIX_GAIN for o in now):
+                waiting.append(r)
+                continue
+            now.append(r)
             if hit is None:
                 cold.append(r)
             else:
                 hits.append((r, *hit))
-        cached = self._prefill_cached(hits) if hits else None
-        whole = self._prefill_together(cold) if cold else None
-        if cached is None or whole is None:
-            return cached or whole
-        return merge(cached, whole)
+        return hits, cold, waiting
+
+    def _keep_prompts(self, batch: Batch) -> None:
+        """Offer the prompts just prefilled to the prefix cache, for prompts that open alike."""
+        for i, row in enumerate(batch.rows):
+            if self._caches_prefixes(row):
+                self._keep_prefix(batch, i)
 
     def _caches_prefixes(self, req: Request) -> bool:
         # Cached rows join by merging caches, as continuous batching does; a VLM's M-RoPE positions
@@ -486,9 +523,11 @@ class TransformersEngine:
         return self._sample_step(batch, logits)
 
     def _prefill_together(self, reqs: list[Request]) -> Batch | None:
-        """Prefill whole prompts: together, except that each prompt longer than a chunk runs alone,
-        unpadded, and joins the others' batch after (padding would give the whole prompt an
-        explicit mask, which the causal kernel spares a row of its own)."""
+        """Prefill whole prompts (None for none): together, except that each prompt longer than a
+        chunk runs alone, unpadded, and joins the others' batch after (padding would give the whole
+        prompt an explicit mask, which the causal kernel spares a row of its own)."""
+        if not reqs:
+            return None
         chunk = self.prefill_chunk_tokens
         long = [r for r in reqs if len(r.prompt_ids) > chunk] if chunk and self._mergeable else []
         if len(reqs) < 2 or not long or self.processor is not None:
@@ -572,7 +611,9 @@ class TransformersEngine:
         return self._prune(batch)
 
     def _keep_prefix(self, batch: Batch, i: int) -> None:
-        """Offer row i's KV to the prefix cache."""
+        """Offer row i's KV to the prefix cache (not copied out when the cache could not hold it)."""
+        if int(batch.mask[i].sum()) * kv_bytes_per_token(batch) > self.prefix_cache.max_bytes:
+            return
         if (kept := row_kv(batch, i)) is not None:
             self.prefix_cache.insert(*kept)
 
