@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from openforgerl.engines.base import (
@@ -485,5 +486,43 @@ def test_a_groups_shared_prompt_is_prefilled_once(tiny_model_dir: Path) -> None:
         for p, r in zip(prompts, shared, strict=True):
             expected = teacher_logprobs(tiny_model_dir, p, r, 1.0)
             assert (expected - torch.tensor(r.logprobs)).abs().max().item() < LOGPROB_TOL
+
+    run(main)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3, 9])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_grouped_decode_attention_equals_sdpa(kv_heads: int, mask_kind: str) -> None:
+    """The engine's decode attention (one query token against a padded cache, no repeat of the
+    KV heads) gives SDPA's output; prefill shapes go to SDPA itself."""
+    from openforgerl.engines.decode_attention import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    batch, heads, length, dim = 4, 9, 37, 16
+    key = torch.randn(batch, kv_heads, length, dim, generator=g)
+    value = torch.randn(batch, kv_heads, length, dim, generator=g)
+    keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., :10] = False  # left padding in two rows
+    keep[3, ..., :30] = False
+    additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    masks = {"none": None, "bool": keep, "additive": additive}
+    layer = torch.nn.Module()  # what transformers' SDPA reads off an attention layer
+    layer.num_key_value_groups, layer.is_causal = heads // kv_heads, False
+    for q_len in (1, 5):
+        query = torch.randn(batch, heads, q_len, dim, generator=g)
+        mask = masks[mask_kind]
+        if mask is not None and q_len > 1:
+            mask = mask.expand(-1, -1, q_len, -1)
+        out, _ = grouped_decode_attention(layer, query, key, value, mask, scaling=0.25)
+        k, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (key, value))
+        expected = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=0.25).transpose(1, 2)
+        assert out.shape == (batch, q_len, heads, dim)
+        assert (out - expected).abs().max().item() < 1e-5
+
+
+def test_the_engine_decodes_with_grouped_attention(tiny_model_dir: Path) -> None:
+    async def main() -> None:
+        async with running(tiny_model_dir) as engine:
+            assert engine._model.config._attn_implementation == "grouped_decode"
 
     run(main)

@@ -15,6 +15,9 @@ caller went away are dropped from the cache before the next step.
 A prompt that opens with the tokens of a finished sequence (an agent's next turn; the system prompt
 every rollout shares) starts from that sequence's KV, kept in `prefix_cache`, and runs only the rest.
 
+Decode steps (one new token a row) take their attention from `decode_attention.py`, which reads
+the shared KV heads without copying them per query head; prefill passes keep transformers' SDPA.
+
 Long prompts (real agent CLIs send 9k-22k tokens) are kept to bounded memory. On the CPU, SDPA runs
 its flash kernel. A row with nothing to mask but the future (a cold prompt, unpadded) takes its
 causal form, with no mask and memory linear in the length, so such a prompt runs whole, and a prompt
@@ -62,6 +65,7 @@ from openforgerl.engines.base import (
     TokenSink,
     completion_room,
 )
+from openforgerl.engines.decode_attention import use_grouped_decode
 from openforgerl.engines.prefix_cache import KV, PrefixCache
 from openforgerl.engines.transformers_batch import (
     Batch,
@@ -212,6 +216,8 @@ class TransformersEngine:
         # Attention that needs no materialised mask for a plain causal pass (see _prefill_forward).
         attn = str(getattr(model.config, "_attn_implementation", None) or "")
         self._causal_kernel = attn == "sdpa" or attn.startswith("flash")
+        if not self.vision:  # a VLM's vision tower attends its own way: left as loaded
+            use_grouped_decode(model)
         self._closing = False
         self._thread = threading.Thread(target=self._worker, name="transformers-engine", daemon=True)
         self._thread.start()
