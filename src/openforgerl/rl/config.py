@@ -84,9 +84,6 @@ class TrainerConfig:
     # (issue #33: 9-17x), so pushing failures down can outweigh pulling successes up.
     neg_adv_scale: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
-    # The temperature of the logprobs: the rollouts' sampling temperature. In a run it is not a
-    # setting of its own: TrainOptions sets it to the run's `temperature`, and run.json leaves it out.
-    temperature: float = 1.0
     # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
     # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
     # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
@@ -160,6 +157,8 @@ class TrainOptions:
     max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
     max_context: int | None = None  # prompt + completion; None: the model's own context length
     concurrency: int = 8
+    # The rollouts' sampling temperature, and so the trainer's logprobs' (rl/loop.py hands it to
+    # both): one setting, since importance weights need the distribution the rollouts sampled from.
     temperature: float = 1.0
     on_failure: OnFailure = "zero"  # a harness that crashed (or timed out, with on_timeout "zero")
     # A rollout stopped by the task's wall clock: "exclude" leaves it out of the policy update
@@ -194,14 +193,6 @@ class TrainOptions:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        # One sampling temperature for the run: the trainer's logprobs must be of the distribution
-        # the rollouts sampled from, or every importance weight is off. The trainer takes the run's;
-        # a trainer set apart to another (not its default) is a contradiction, said at once.
-        if self.trainer.temperature not in (self.temperature, TrainerConfig.temperature):
-            raise ValueError(
-                f"the trainer's temperature {self.trainer.temperature:g} is not the rollouts' "
-                f"{self.temperature:g}: set the run's temperature alone (--temperature)"
-            )
         if self.curriculum and self.headroom_tasks < 1:
             raise ValueError("curriculum draws from the headroom measurement's tasks: set headroom_tasks")
         if self.on_timeout not in ("exclude", "zero"):
@@ -210,13 +201,11 @@ class TrainOptions:
             raise ValueError(
                 f"RL samples its rollouts: the temperature must be above 0, not {self.temperature:g}"
             )
-        self.trainer = dataclasses.replace(self.trainer, temperature=self.temperature)
 
     def to_json(self) -> dict[str, Any]:
-        """run.json: every setting once (the trainer's temperature is the run's, so left out)."""
+        """run.json: every setting once."""
         d = dataclasses.asdict(self)
         d["out"] = str(self.out)
-        del d["trainer"]["temperature"]
         return d
 
     @classmethod
