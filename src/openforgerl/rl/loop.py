@@ -503,6 +503,7 @@ def _start_trainer(
             opts.trainer,
             group_size=opts.group,
             temperature=opts.temperature,
+            seed=opts.seed,
             demonstrations=demonstrations,
         )
         return trainer, Path(opts.model)
@@ -513,6 +514,7 @@ def _start_trainer(
         group_size=opts.group,
         reference_dir=opts.model,
         temperature=opts.temperature,
+        seed=opts.seed,
         demonstrations=demonstrations,
     )
     state = json.loads((last / "trainer_state.json").read_text())
