@@ -17,7 +17,7 @@ from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.settings import read, setting, settings_of
 
 if TYPE_CHECKING:
-    from openforgerl.rollouts.runner import OnFailure, OnTimeout
+    from openforgerl.rollouts.settings import OnFailure, OnTimeout
 
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
