@@ -348,7 +348,7 @@ def run(cfg: Config, quick: bool, skip_speed: bool = False) -> dict[str, Any]:
             temperature=cfg.temperature,
             seed=cfg.seed,
             progress=False,
-            trainer=TrainerConfig(lr=cfg.rl_lr, seed=cfg.seed),  # the run's temperature
+            trainer=TrainerConfig(lr=cfg.rl_lr),  # the run's temperature and seed
         )
         summary = train(opts, resume=(rl_dir / "run.json").exists())
         steps = [json.loads(line) for line in (rl_dir / "metrics.jsonl").read_text().splitlines()]

@@ -488,10 +488,10 @@ def test_a_container_killed_mid_rollout_is_scored_or_retried_by_who_killed_it(
     ]
     with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
         cfg = RunnerConfig(
-            gw.url,
-            gw.gateway.admin_token,
-            "dock-kill",
-            tmp_path / "runner.db",
+            gateway_url=gw.url,
+            admin_token=gw.gateway.admin_token,
+            run_id="dock-kill",
+            state_path=tmp_path / "runner.db",
             concurrency=5,
             limits=Limits(memory_bytes=128 << 20, pids=128, wall_time_s=120),
             ro_binds=[],

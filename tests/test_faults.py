@@ -168,7 +168,12 @@ def test_gateway_faults_answer_the_first_calls_and_the_harness_retries_them(
     tasks = _faulted(1, faults=[Fault(gateway=statuses)])
     teacher = OracleTeacherEngine(tiny_model_dir, tasks)
     with running_gateway(tiny_model_dir, tmp_path, teacher) as gw:
-        cfg = RunnerConfig(gw.url, gw.gateway.admin_token, "faults", tmp_path / "runner.db")
+        cfg = RunnerConfig(
+            gateway_url=gw.url,
+            admin_token=gw.gateway.admin_token,
+            run_id="faults",
+            state_path=tmp_path / "runner.db",
+        )
         runner = Runner(cfg, LocalBackend(), react_harness())
 
         async def go() -> list[RolloutResult]:

@@ -170,7 +170,13 @@ def shell(*commands: str) -> Any:
 def run_one(gw: Any, tmp_path: Path, task: Task, **cfg: Any) -> Any:
     """`task` run once by a runner on the local backend against `gw`, its harness doing nothing."""
     runner = Runner(
-        RunnerConfig(gw.url, gw.gateway.admin_token, "test", tmp_path / "runner.db", **cfg),
+        RunnerConfig(
+            gateway_url=gw.url,
+            admin_token=gw.gateway.admin_token,
+            run_id="test",
+            state_path=tmp_path / "runner.db",
+            **cfg,
+        ),
         LocalBackend(),
         shell("true"),
     )

@@ -240,8 +240,8 @@ def test_ptx_term_pulls_each_update_toward_the_demonstrations(
     losses = {}
     for coef in (0.0, 1.0):
         torch.manual_seed(0)
-        cfg = TrainerConfig(lr=1e-2, temperature=0.7, ptx_coef=coef, ptx_batch=4)
-        trainer = Trainer(tiny_model_dir, cfg, group_size=2, demonstrations=demos)
+        cfg = TrainerConfig(lr=1e-2, ptx_coef=coef, ptx_batch=4)
+        trainer = Trainer(tiny_model_dir, cfg, group_size=2, temperature=0.7, demonstrations=demos)
         before = demo_loss(trainer)
         metrics = trainer.train_step(rollouts_from(triples, [1.0, 0.0]))
         losses[coef] = demo_loss(trainer)
@@ -1046,10 +1046,10 @@ def test_one_temperature_for_the_rollouts_and_the_trainers_logprobs(tmp_path: Pa
     from openforgerl.cli.train import train_cmd
 
     opts = TrainOptions(model="m", out=tmp_path, temperature=0.7)
-    assert opts.trainer.temperature == 0.7  # the trainer takes the run's
-    assert TrainOptions.from_json(opts.to_json()).trainer.temperature == 0.7
-    with pytest.raises(ValueError, match="not the rollouts'"):
-        TrainOptions(model="m", out=tmp_path, temperature=1.0, trainer=TrainerConfig(temperature=0.7))
+    assert "temperature" not in {f.name for f in dataclasses.fields(TrainerConfig)}  # the run's alone
+    assert TrainOptions.from_json(opts.to_json()).temperature == 0.7
+    with pytest.raises(TypeError):
+        TrainerConfig(temperature=0.7)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="above 0"):
         TrainOptions(model="m", out=tmp_path, temperature=0.0)
     result = CliRunner().invoke(
@@ -1081,7 +1081,7 @@ def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
     base = ["--out", str(run)]
     result, (opts,) = _train_cli([*base, "--model", "m", "--temperature", "0.7", "--lr", "1e-3"], monkeypatch)
     assert result.exit_code == 0, result.output
-    assert opts.temperature == opts.trainer.temperature == 0.7 and opts.trainer.lr == 1e-3
+    assert opts.temperature == 0.7 and opts.trainer.lr == 1e-3
     assert opts.trainer.neg_adv_scale == 1.0
     result, (scaled,) = _train_cli([*base, "--model", "m", "--neg-adv-scale", "0.25"], monkeypatch)
     assert result.exit_code == 0 and scaled.trainer.neg_adv_scale == 0.25
@@ -1097,10 +1097,10 @@ def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
 
     # --resume: run.json's settings; an option given again changes one, on both sides, and is said.
     result, (resumed,) = _train_cli([*base, "--resume"], monkeypatch)
-    assert result.exit_code == 0 and resumed.trainer.temperature == 0.7 and resumed.trainer.lr == 1e-3
+    assert result.exit_code == 0 and resumed.temperature == 0.7 and resumed.trainer.lr == 1e-3
     result, (resumed,) = _train_cli([*base, "--resume", "--temperature", "0.9"], monkeypatch)
     assert result.exit_code == 0, result.output
-    assert resumed.temperature == resumed.trainer.temperature == 0.9
+    assert resumed.temperature == 0.9
     assert "resumed with temperature = 0.9 (was 0.7)" in result.output
     assert resumed.trainer.lr == 1e-3 and resumed.model == "m"  # the rest is the run's
 
@@ -1116,7 +1116,8 @@ def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
         json.dumps({**saved, "trainer": {**saved["trainer"], "temperature": 0.7}})
     )
     result, (resumed,) = _train_cli([*base, "--resume", "--temperature", "0.8"], monkeypatch)
-    assert result.exit_code == 0 and resumed.trainer.temperature == 0.8
+    assert result.exit_code == 0 and resumed.temperature == 0.8
+    assert "temperature" not in resumed.to_json()["trainer"]  # migrated: the run's alone
 
 
 def test_train_set_reaches_every_setting_of_run_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

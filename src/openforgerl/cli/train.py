@@ -1,112 +1,34 @@
-"""`openforge train`: RL, embedded or on veRL (defaults: TrainOptions, TrainerConfig, LossConfig)."""
+"""`openforge train`: RL, embedded or on veRL. Its options are TrainOptions' settings (rl/config.py:
+each declared there once, with its default and help), derived by cli/config_options.py."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from openforgerl.cli.options import (
-    CLI_HARNESSES,
-    backend_choice,
-    one_harness,
-    sandbox_options,
-    tuning_options,
-)
-from openforgerl.rl.config import (
-    PRECISIONS,
-    LossConfig,
-    TrainerConfig,
-    TrainOptions,
-    set_setting,
-    setting_keys,
-)
+from openforgerl.cli.config_options import apply_settings, config_options, given_settings
+from openforgerl.cli.options import CLI_HARNESSES, backend_choice, one_harness, sandbox_options
+from openforgerl.rl.config import NOT_SET, TrainOptions, set_setting
 from openforgerl.rl.headroom import CHECK_TASKS
 
-
-def _same(value: Any) -> Any:
-    return value
+_BACKEND = ("backend", "image", "docker_host", "backend_config")
 
 
-# Each option of `openforge train` that sets one of run.json's settings: its path there, and how the
-# option's value becomes the setting's. The rest of the settings: --set PATH=VALUE.
-_SETTINGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    **{
-        name: (name, _same)
-        for name in (
-            "tasks",
-            "skip_tasks",
-            "group",
-            "batch_tasks",
-            "temperature",
-            "max_gen_batches",
-            "headroom_tasks",
-            "headroom_k",
-            "curriculum",
-            "max_tokens",
-            "max_turns",
-            "harness",
-            "max_steps",
-            "on_timeout",
-            "concurrency",
-            "seed",
-            "eval_every",
-            "eval_limit",
-            "engine",
-            "overlap",
-            "max_lag",
-        )
-    },
-    "ptx_data": ("ptx_data", lambda v: str(Path(v).resolve()) if v else None),
-    **{
-        name: (f"trainer.{name}", _same)
-        for name in (
-            "lr",
-            "warmup_steps",
-            "mini_batches",
-            "ppo_epochs",
-            "neg_adv_scale",
-            "ptx_coef",
-            "ptx_batch",
-            "device",
-            "precision",
-        )
-    },
-    "micro_batch_tokens": ("trainer.micro_batch_tokens", _same),
-    "algo": ("trainer.estimator", _same),
-    "keep_zero_variance": ("trainer.drop_zero_variance", lambda v: not v),
-    **{
-        name: (f"trainer.tuning.{name}", _same)
-        for name in ("lora_rank", "lora_alpha", "gradient_checkpointing")
-    },
-    "loss": ("trainer.loss.loss", _same),
-    "kl_coef": ("trainer.loss.kl_coef", _same),
-    "clip_low": ("trainer.loss.clip_ratio_low", _same),
-    "clip_high": ("trainer.loss.clip_ratio_high", _same),
-    "tis": ("trainer.loss.tis", lambda v: None if v == "none" else v),
-    "tis_threshold": ("trainer.loss.tis_threshold", _same),
+def _harness(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else one_harness(ctx, param, value)
+
+
+# What the command adds to some settings' options (the rest is the field's own).
+_MORE: dict[str, dict[str, Any]] = {
+    "harness": {"callback": _harness, "help_more": f" Agent CLIs: {', '.join(CLI_HARNESSES)}."},
+    "headroom_tasks": {"help_more": f" With --check: {CHECK_TASKS} when 0."},
 }
-# Options whose None means "not given": the default, or on --resume the run's.
-_UNSET_IS_NONE = ("steps", "engine", "overlap", "max_lag")
-_BACKEND = ("image", "docker_host", "backend_config")
-# The settings no option above names: --set is how a command line reaches them.
-_SET_ONLY = [
-    k for k in setting_keys() if k not in {path for path, _ in _SETTINGS.values()} | {"steps", "trainer.seed"}
-]
 
 
 @click.command("train", context_settings={"ignore_unknown_options": True})
-@click.option("--tasks", default=TrainOptions.tasks, show_default=True, help="A suite or task file/dir.")
-@click.option(
-    "--skip-tasks",
-    type=click.IntRange(min=0),
-    default=TrainOptions.skip_tasks,
-    show_default=True,
-    help="Leave out the first N train tasks, e.g. the N an SFT teacher solved (sft --teacher --limit N).",
-)
 @click.option(
     "--model", "model_dir", default=None, help="Starting model dir (HF format); not needed with --resume."
 )
@@ -118,221 +40,20 @@ _SET_ONLY = [
     "option given again, or --set, changes that setting (--steps may extend).",
 )
 @click.option(
-    "--steps", type=int, default=None, help=f"Train until this step.  [default: {TrainOptions.steps}]"
-)
-@click.option(
-    "--group", type=int, default=TrainOptions.group, show_default=True, help="Rollouts per task (G)."
-)
-@click.option(
-    "--batch-tasks", type=int, default=TrainOptions.batch_tasks, show_default=True, help="Tasks per step."
-)
-@click.option("--lr", type=float, default=TrainerConfig.lr, show_default=True)
-@click.option(
-    "--warmup-steps",
-    type=click.IntRange(min=0),
-    default=TrainerConfig.warmup_steps,
-    show_default=True,
-    help="Linear learning-rate warm-up over the first N optimizer updates (a fresh AdamW's first "
-    "steps move every weight by about the lr).",
-)
-@click.option(
-    "--precision",
-    type=click.Choice(PRECISIONS),
-    default=TrainerConfig.precision,
-    show_default=True,
-    help="The trainer's forward passes: fp32, or bf16 autocast over fp32 master weights (a CPU with "
-    "AVX512_BF16 doubles its matmul peak; logprobs then differ from the engine's, which --tis corrects).",
-)
-@click.option(
-    "--clip-low", type=float, default=LossConfig.clip_ratio_low, show_default=True, help="PPO clip: 1 - low."
-)
-@click.option(
-    "--clip-high",
-    type=float,
-    default=LossConfig.clip_ratio_high,
-    show_default=True,
-    help="PPO clip: 1 + high (DAPO's clip-higher: 0.28); acts with more than one update a step.",
-)
-@click.option(
-    "--temperature",
-    type=click.FloatRange(min=0.0, min_open=True),
-    default=TrainOptions.temperature,
-    show_default=True,
-    help="Sampling temperature of the rollouts, and of the trainer's logprobs (one setting).",
-)
-@click.option(
-    "--algo",
-    default=TrainerConfig.estimator,
-    show_default=True,
-    help="veRL advantage estimator (grpo, rloo, ...).",
-)
-@click.option(
-    "--loss", default=LossConfig.loss, show_default=True, help="veRL policy loss (vanilla, gspo, cispo, ...)."
-)
-@click.option(
-    "--kl-coef", type=float, default=LossConfig.kl_coef, show_default=True, help="KL to the starting model."
-)
-@click.option(
-    "--tis",
-    type=click.Choice(["token", "sequence", "none"]),
-    default=LossConfig.tis or "none",
-    show_default=True,
-    help="Truncated importance sampling against the behaviour logprobs.",
-)
-@click.option("--tis-threshold", type=float, default=LossConfig.tis_threshold, show_default=True)
-@click.option(
-    "--mini-batches",
-    type=click.IntRange(min=1),
-    default=TrainerConfig.mini_batches,
-    show_default=True,
-    help="Optimizer updates per pass over a step's samples.",
-)
-@click.option(
-    "--ppo-epochs",
-    type=click.IntRange(min=1),
-    default=TrainerConfig.ppo_epochs,
-    show_default=True,
-    help="Passes over a step's samples; with more than one update per step the PPO clip acts.",
-)
-@click.option(
-    "--neg-adv-scale",
-    type=click.FloatRange(min=0.0, max=1.0),
-    default=TrainerConfig.neg_adv_scale,
-    show_default=True,
-    help="Multiply negative advantages by this (1: plain GRPO; 0: train on the passed rollouts alone).",
-)
-@click.option(
-    "--ptx-data",
-    type=click.Path(exists=True),
-    default=None,
-    help="SFT data (what `openforge sft --data` reads: JSONL or ATIF) for the SFT-loss term of --ptx-coef.",
-)
-@click.option(
-    "--ptx-coef",
-    type=click.FloatRange(min=0.0),
-    default=TrainerConfig.ptx_coef,
-    show_default=True,
-    help="Weight of an SFT loss on --ptx-data added to every update (InstructGPT's PPO-ptx).",
-)
-@click.option(
-    "--ptx-batch",
-    type=click.IntRange(min=1),
-    default=TrainerConfig.ptx_batch,
-    show_default=True,
-    help="Demonstrations in each update's SFT-loss term.",
-)
-@click.option(
-    "--max-gen-batches",
-    type=click.IntRange(min=1),
-    default=TrainOptions.max_gen_batches,
-    show_default=True,
-    help="Dynamic sampling (DAPO): draw up to N batches of --batch-tasks tasks a step until "
-    "--batch-tasks groups have mixed rewards, and train on those alone. 1: off.",
-)
-@click.option(
     "--check",
     is_flag=True,
     help="Measure the starting policy's headroom (pass@1, pass@k, tasks with mixed outcomes, sampled "
     "NLL) on --headroom-tasks train tasks, write headroom.json to --out, say whether RL has anything "
     "to work with, and train nothing.",
 )
-@click.option(
-    "--headroom-tasks",
-    type=click.IntRange(min=0),
-    default=TrainOptions.headroom_tasks,
-    show_default=True,
-    help=f"Measure the headroom on N train tasks before the first step (--check: {CHECK_TASKS} when 0). "
-    "0: off.",
-)
-@click.option(
-    "--headroom-k",
-    type=click.IntRange(min=1),
-    default=TrainOptions.headroom_k,
-    show_default=True,
-    help="Runs per task of the headroom measurement (its pass@k).",
-)
-@click.option(
-    "--curriculum",
-    is_flag=True,
-    help="Train only on the tasks the headroom measurement (--headroom-tasks) found with mixed "
-    "outcomes (pass rate strictly between 0 and 1), each revisited across steps.",
-)
-@click.option("--micro-batch-tokens", type=int, default=TrainerConfig.micro_batch_tokens, show_default=True)
-@click.option("--keep-zero-variance", is_flag=True, help="Train on groups whose rewards are all equal too.")
-@click.option(
-    "--max-tokens", type=int, default=TrainOptions.max_tokens, show_default=True, help="Per model call."
-)
-@click.option(
-    "--max-turns", type=int, default=TrainOptions.max_turns, show_default=True, help="ReAct harness turns."
-)
-@click.option(
-    "--harness",
-    default=TrainOptions.harness,
-    show_default=True,
-    callback=one_harness,
-    help="react: the tool-calling loop; gui: a browser agent on screenshots (web-basic tasks, a "
-    "vision-language model from `openforge model init --vision`); or an agent CLI, every turn "
-    f"generated by the policy inside it: {', '.join(CLI_HARNESSES)}.",
-)
-@click.option(
-    "--max-steps",
-    type=int,
-    default=TrainOptions.max_steps,
-    help="GUI harness steps (default: the task's, 15).",
-)
-@click.option(
-    "--on-timeout",
-    type=click.Choice(["exclude", "zero"]),
-    default=TrainOptions.on_timeout,
-    show_default=True,
-    help="A rollout stopped by its task's time limit: left out of the policy update and counted "
-    "(`timed_out` per step), as the machine's load may be why; or trained on with reward 0. A task "
-    "with `timeout_is_failure: true` is always a failure. Held-out evaluations score it 0.",
-)
-@click.option("--concurrency", type=int, default=TrainOptions.concurrency, show_default=True)
-@click.option("--seed", type=int, default=TrainOptions.seed, show_default=True)
-@click.option(
-    "--eval-every",
-    type=int,
-    default=TrainOptions.eval_every,
-    show_default=True,
-    help="Held-out pass@1 every N steps.",
-)
-@click.option(
-    "--eval-limit", type=int, default=TrainOptions.eval_limit, help="Only the first N held-out tasks."
-)
-@click.option("--device", default=TrainerConfig.device, help="cpu or cuda (default: cuda when available).")
-@tuning_options
-@click.option(
-    "--engine",
-    default=None,
-    help="builtin (transformers, this process) or vllm:URL: a vLLM server started with "
-    "VLLM_SERVER_DEV_MODE=1 that reads the run folder at the same path (it reloads each checkpoint "
-    "from disk).  "
-    f"[default: {TrainOptions.engine}; --resume may change it]",
-)
-@click.option(
-    "--overlap/--no-overlap",
-    default=None,
-    help="Run the next step's rollouts while this step trains.  "
-    f"[default: {'overlap' if TrainOptions.overlap else 'no-overlap'}; --resume may change it]",
-)
-@click.option(
-    "--max-lag",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Policy versions a trained sample may lag the trainer by; with --overlap, also how many "
-    "steps ahead rollouts run.  "
-    f"[default: {TrainOptions.max_lag}; --resume may change it]",
-)
+@config_options(TrainOptions, skip=NOT_SET, more=_MORE)
 @click.option(
     "--set",
     "settings",
     multiple=True,
     metavar="PATH=VALUE",
-    help="Any other setting of the run, by its path in run.json (repeatable; an option's setting "
-    "too): " + ", ".join(_SET_ONLY) + ". With --resume it changes the run's, as the options above "
-    "given again do.",
+    help="A setting of the run by its path in run.json, e.g. trainer.loss.clip_ratio_c=2 (repeatable; "
+    "each also has its option above). With --resume it changes the run's, as the options given again do.",
 )
 @sandbox_options(
     "verl",
@@ -340,7 +61,7 @@ _SET_ONLY = [
     "do not apply.",
 )
 @click.argument("verl_args", nargs=-1, type=click.UNPROCESSED, metavar="[CONFIG [OVERRIDES]...]")
-def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int | None, **kw: Any) -> None:
+def train_cmd(model_dir: str | None, out: str | None, resume: bool, **kw: Any) -> None:
     """RL: rollouts through an embedded gateway, a trainer step, new weights to the engine, repeat.
 
     With --backend docker, every rollout in a container (a task in its own image). With --backend
@@ -373,7 +94,7 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
     if check and resume:
         raise click.UsageError("--check measures a starting model: it does not go with --resume")
     try:
-        opts = _options(model_dir, Path(out), resume, steps, backend, kw)
+        opts = _options(model_dir, Path(out), resume, backend, kw)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     from openforgerl.engines.base import EngineError
@@ -393,20 +114,14 @@ def train_cmd(model_dir: str | None, out: str | None, resume: bool, steps: int |
 
 
 def _options(
-    model_dir: str | None, out: Path, resume: bool, steps: int | None, backend: str, kw: dict[str, Any]
+    model_dir: str | None, out: Path, resume: bool, backend: str, kw: dict[str, Any]
 ) -> TrainOptions:
-    """The run's settings. A fresh run: the defaults, every option above, then --set. With
-    --resume: run.json's, then the options given on this command line and --set (each change said)."""
+    """The run's settings. A fresh run: the defaults, the options given, then --set. With --resume:
+    run.json's, then the options given on this command line and --set (each change said)."""
     from openforgerl.rl.loop import load_settings
 
     ctx = click.get_current_context()
-    given = {
-        name
-        for name in ctx.params
-        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
-    }
-    values = {**kw, "steps": steps}
-    sets = values.pop("settings")
+    given = given_settings(TrainOptions, kw, skip=NOT_SET)
     if resume:
         d = load_settings(out)
         if model_dir is not None and model_dir != d["model"]:
@@ -416,17 +131,13 @@ def _options(
             raise click.BadParameter("give the starting model directory", param_hint="--model")
         d = TrainOptions(model=model_dir, out=out).to_json()
     before = copy.deepcopy(d)
-    choice = backend_choice(values, backend)  # pops the backend's options
-    if not resume or given & {"backend", *_BACKEND}:
+    choice = backend_choice(kw, backend)  # pops the backend's options
+    if not resume or any(
+        ctx.get_parameter_source(p) is click.core.ParameterSource.COMMANDLINE for p in _BACKEND
+    ):
         d["backend"] = choice.to_json()
-    for name, (key, convert) in [*_SETTINGS.items(), ("steps", ("steps", _same))]:
-        value = values[name]
-        if (resume and name not in given) or (name in _UNSET_IS_NONE and value is None):
-            continue
-        _put(d, key, convert(value))
-        if name == "seed":
-            _put(d, "trainer.seed", value)  # the trainer's seed follows the run's
-    for item in sets:
+    apply_settings(d, given)
+    for item in kw.pop("settings"):
         key, eq, text = item.partition("=")
         if not eq:
             raise ValueError(f"--set {item}: give PATH=VALUE, e.g. trainer.weight_decay=0.01")
@@ -436,13 +147,6 @@ def _options(
         for key, (old, new) in _changes(before, opts.to_json()).items():
             click.echo(f"resumed with {key} = {new!r} (was {old!r})", err=True)
     return opts
-
-
-def _put(d: dict[str, Any], key: str, value: Any) -> None:
-    *path, name = key.split(".")
-    for part in path:
-        d = d[part]
-    d[name] = value
 
 
 def _changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -132,7 +132,6 @@ def rl_options(cfg: DemoConfig, sft_dir: Path, rl_dir: Path, teacher_file: Path)
         trainer=TrainerConfig(
             lr=cfg.rl_lr,
             warmup_steps=cfg.rl_warmup,
-            seed=cfg.seed,
             mini_batches=cfg.rl_mini_batches,
             ppo_epochs=cfg.rl_ppo_epochs,
             neg_adv_scale=cfg.rl_neg_adv_scale,

@@ -1,19 +1,23 @@
 """The trainers' and the RL loop's settings (LossConfig, Tuning, TrainerConfig, SFTConfig,
 TrainOptions): plain dataclasses in a light module, so the CLI reads their defaults without torch
-or veRL. The modules that use them (algos, trainer, sft, loop) re-export them."""
+or veRL. The modules that use them (algos, trainer, sft, loop) re-export them.
+
+Each setting is declared once, here: its default and its option's help (`setting`); `openforge
+train`'s options, run.json (`to_json`/`from_json`) and `--set PATH=VALUE` derive from it."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from openforgerl.sandbox.choice import BackendChoice
+from openforgerl.settings import read, setting, settings_of
 
 if TYPE_CHECKING:
-    from openforgerl.rollouts.runner import OnFailure, OnTimeout
+    from openforgerl.rollouts.settings import OnFailure, OnTimeout
 
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -26,15 +30,26 @@ class LossConfig:
     sampling against the behaviour (rollout engine) logprobs: "token", "sequence" or None (off);
     `kl_coef` > 0 adds veRL's `kl_penalty(kl_type)` to a frozen reference model as a loss term."""
 
-    loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    loss_agg_mode: LossAggMode = "token-mean"
-    tis: Literal["token", "sequence"] | None = "token"
-    tis_threshold: float = 2.0
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"  # veRL's ActorConfig for these: rl/algos.py actor_config
+    loss: str = setting("vanilla", "veRL policy loss (vanilla, gspo, cispo, ...).")
+    clip_ratio_low: float = setting(0.2, "PPO clip: 1 - low.", option="--clip-low")
+    clip_ratio_high: float = setting(
+        0.2,
+        "PPO clip: 1 + high (DAPO's clip-higher: 0.28); acts with more than one update a step.",
+        option="--clip-high",
+    )
+    clip_ratio_c: float = setting(3.0, "Dual-clip bound for negative advantages.")
+    loss_agg_mode: LossAggMode = setting(
+        "token-mean", "How token losses make the loss (veRL's).", choices=get_args(LossAggMode)
+    )
+    tis: Literal["token", "sequence"] | None = setting(
+        "token",
+        "Truncated importance sampling against the behaviour logprobs.",
+        choices=("token", "sequence"),
+    )
+    tis_threshold: float = setting(2.0, "Truncation of the importance weights.")
+    kl_coef: float = setting(0.0, "KL to the starting model.")
+    # veRL's ActorConfig for these: rl/algos.py actor_config
+    kl_type: str = setting("low_var_kl", "veRL's KL estimator (with --kl-coef).")
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in get_args(LossAggMode):
@@ -47,9 +62,16 @@ class LossConfig:
 class Tuning:
     """Which weights train and how activations are kept."""
 
-    lora_rank: int = 0  # 0: every weight; r > 0: rank-r LoRA adapters on every linear layer (peft)
-    lora_alpha: int | None = None  # LoRA scale numerator (default 2 x rank)
-    gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward pass
+    lora_rank: int = setting(
+        0,
+        "Train rank-r LoRA adapters on every linear layer (peft), the base frozen; 0: every weight. "
+        "Checkpoints hold the merged model (what engines load) and adapter/.",
+        low=0,
+    )
+    lora_alpha: int | None = setting(None, "LoRA alpha [default: 2 x rank].", low=1)
+    gradient_checkpointing: bool = setting(
+        False, "Recompute decoder layers' activations in the backward pass: less memory, more time."
+    )
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:
@@ -69,44 +91,70 @@ PRECISIONS = ("fp32", "bf16")
 
 @dataclass
 class TrainerConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 8192  # padded tokens (rows x longest row) per forward/backward pass
-    mini_batches: int = 1  # optimizer updates per pass over the step's samples (PPO mini-batches)
-    ppo_epochs: int = 1  # passes over the step's samples (veRL's ppo_epochs)
-    estimator: str = "grpo"
-    norm_adv_by_std: bool = True
-    drop_zero_variance: bool = True
-    # Negative advantages are multiplied by this (1: plain GRPO; 0: the passing rollouts alone). A
-    # near-deterministic student's failed rollouts move far more per token than its passed ones
+    """The embedded trainer's settings. Its logprobs' temperature and its seed are the run's
+    (TrainOptions.temperature and seed), given to the Trainer beside this config."""
+
+    lr: float = setting(1e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = setting(0.0, "AdamW's weight decay.")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's betas (two numbers).")
+    max_grad_norm: float = setting(1.0, "Gradient clipping by global norm.")
+    micro_batch_tokens: int = setting(
+        8192, "Padded tokens (rows x longest row) per forward/backward pass.", low=1
+    )
+    mini_batches: int = setting(1, "Optimizer updates per pass over a step's samples.", low=1)
+    ppo_epochs: int = setting(
+        1, "Passes over a step's samples; with more than one update per step the PPO clip acts.", low=1
+    )
+    estimator: str = setting("grpo", "veRL advantage estimator (grpo, rloo, ...).", option="--algo")
+    norm_adv_by_std: bool = setting(True, "GRPO: divide a group's advantages by its reward's std.")
+    drop_zero_variance: bool = setting(
+        True,
+        "Leave out groups whose rewards are all equal (--keep-zero-variance: train on them too).",
+        option="--drop-zero-variance/--keep-zero-variance",
+    )
+    # A near-deterministic student's failed rollouts move far more per token than its passed ones
     # (issue #33: 9-17x), so pushing failures down can outweigh pulling successes up.
-    neg_adv_scale: float = 1.0
-    loss: LossConfig = field(default_factory=LossConfig)
-    # The temperature of the logprobs: the rollouts' sampling temperature. In a run it is not a
-    # setting of its own: TrainOptions sets it to the run's `temperature`, and run.json leaves it out.
-    temperature: float = 1.0
+    neg_adv_scale: float = setting(
+        1.0,
+        "Multiply negative advantages by this (1: plain GRPO; 0: train on the passed rollouts alone).",
+        low=0.0,
+        high=1.0,
+    )
+    loss: LossConfig = setting(factory=LossConfig)
     # InstructGPT's PPO-ptx: each update also descends ptx_coef x the SFT loss (mean NLL per loss
     # token, at temperature 1) of ptx_batch demonstrations, drawn afresh per update, so RL keeps
     # what SFT taught while it moves the rest. 0: off (the Trainer then needs no demonstrations).
-    ptx_coef: float = 0.0
-    ptx_batch: int = 16
-    seed: int = 0
-    device: str | None = None  # default: cuda when available, else cpu
-    tuning: Tuning = field(default_factory=Tuning)
-    # Linear learning-rate warm-up over the first N optimizer updates (update k at lr x k / N,
-    # counting from 1), then `lr`; the position is saved with the optimizer, so a resume continues it.
-    warmup_steps: int = 0
-    # After each step's updates, re-score the trained rollouts with the new weights and report how
-    # their log-likelihood moved (`update/...` metrics): one extra forward pass, no gradients.
-    measure_update: bool = True
-    # The forward passes' precision: "fp32", or "bf16" autocast over fp32 master weights (the
-    # optimizer and the saved checkpoint stay fp32). On a GPU the forward always runs under bf16
+    ptx_coef: float = setting(
+        0.0, "Weight of an SFT loss on --ptx-data added to every update (InstructGPT's PPO-ptx).", low=0.0
+    )
+    ptx_batch: int = setting(16, "Demonstrations in each update's SFT-loss term.", low=1)
+    device: str | None = setting(None, "cpu or cuda (default: cuda when available).")
+    tuning: Tuning = setting(factory=Tuning)
+    # Update k at lr x k / N, counting from 1; the position is saved with the optimizer, so a
+    # resume continues it.
+    warmup_steps: int = setting(
+        0,
+        "Linear learning-rate warm-up over the first N optimizer updates (a fresh AdamW's first "
+        "steps move every weight by about the lr).",
+        low=0,
+    )
+    # One extra forward pass, no gradients.
+    measure_update: bool = setting(
+        True,
+        "After each step's updates, re-score the trained rollouts with the new weights and report "
+        "how their log-likelihood moved (update/... metrics).",
+    )
+    # The optimizer and the saved checkpoint stay fp32. On a GPU the forward always runs under bf16
     # autocast; on a CPU with AVX512_BF16 "bf16" doubles the matmul peak (benchmarks/rl_throughput.py)
     # at the price of logprobs that differ from a fp32 engine's by ~1e-2 per token, which the
     # importance weights (--tis) correct.
-    precision: str = "fp32"
+    precision: str = setting(
+        "fp32",
+        "The trainer's forward passes: fp32, or bf16 autocast over fp32 master weights (a CPU with "
+        "AVX512_BF16 doubles its matmul peak; logprobs then differ from the engine's, which --tis "
+        "corrects).",
+        choices=PRECISIONS,
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.neg_adv_scale <= 1.0:
@@ -141,67 +189,106 @@ class SFTConfig:
     # Validation (fit's `val` samples): their loss every `eval_every` steps (0: before and after only).
     eval_every: int = 0
     # Every weight, or LoRA adapters (merged into the saved model); gradient checkpointing.
-    tuning: Tuning = field(default_factory=Tuning)
+    tuning: Tuning = setting(factory=Tuning)
 
 
 @dataclass
 class TrainOptions:
+    """`openforge train`'s settings (run.json): the run's, with the trainer's nested."""
+
     model: str  # the starting model directory (HF format)
     out: Path  # the run folder
-    tasks: str = "tools-tiny"
-    split: str = "train"
-    skip_tasks: int = 0  # leave out the split's first N tasks (e.g. the N an SFT teacher solved)
-    harness: str = "react"  # react (tool calls) or gui (a browser on screenshots: web-basic, a VLM policy)
-    steps: int = 10
-    group: int = 4  # rollouts per task (G)
-    batch_tasks: int = 4  # tasks per step
-    max_tokens: int = 128  # per model call
-    max_turns: int = 8
-    max_steps: int | None = None  # the gui harness's step limit (None: the task's, 15 in web-basic)
-    max_context: int | None = None  # prompt + completion; None: the model's own context length
-    concurrency: int = 8
-    temperature: float = 1.0
-    on_failure: OnFailure = "zero"  # a harness that crashed (or timed out, with on_timeout "zero")
-    # A rollout stopped by the task's wall clock: "exclude" leaves it out of the policy update
-    # (counted per step), since on a loaded machine the clock penalises load, not the policy;
-    # "zero" trains on it as a failure. A task with `timeout_is_failure` is always a failure.
-    on_timeout: OnTimeout = "exclude"
-    seed: int = 0
-    eval_every: int = 0  # held-out evaluation every N steps (0: never), greedy, one run per task
-    eval_split: str = "heldout"
-    eval_limit: int | None = None
-    keep_checkpoints: int = 2
-    progress: bool = True
-    overlap: bool = False  # rollouts of the next step(s) run while this one trains
-    max_lag: int = 1  # policy versions a trained sample may lag behind the trainer (and prefetch depth)
-    engine: str = "builtin"  # builtin, vllm:URL or sglang:URL (see the module docstring)
-    # SFT samples (the JSONL `openforge sft` reads) for the trainer's ptx term (trainer.ptx_coef).
-    ptx_data: str | None = None
-    # DAPO's dynamic sampling (veRL's filter_groups, max_num_gen_batches): above 1, a step draws
-    # up to this many batches of batch_tasks tasks, until batch_tasks groups have mixed rewards,
-    # and trains on those alone. 1: one batch, every group goes to the trainer (which drops the
-    # equal-reward ones).
-    max_gen_batches: int = 1
-    # Headroom (rl/headroom.py): before the first step of a fresh run, k runs of this many train
-    # tasks measure what the starting policy leaves RL to learn (headroom.json). 0: off.
-    headroom_tasks: int = 0
-    headroom_k: int = 8
-    # A curriculum from that measurement: the steps draw only from the measured tasks whose pass rate
-    # was strictly between 0 and 1 (the groups with a signal), so each is revisited across steps.
-    # Needs headroom_tasks > 0.
-    curriculum: bool = False
-    backend: BackendChoice = field(default_factory=BackendChoice)  # where the rollouts' sandboxes run
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tasks: str = setting("tools-tiny", "A suite or task file/dir.")
+    split: str = setting("train", "The tasks' split RL draws from.")
+    skip_tasks: int = setting(
+        0,
+        "Leave out the first N train tasks, e.g. the N an SFT teacher solved (sft --teacher --limit N).",
+        low=0,
+    )
+    harness: str = setting(
+        "react",
+        "react: the tool-calling loop; gui: a browser agent on screenshots (web-basic tasks, a "
+        "vision-language model from `openforge model init --vision`); or an agent CLI, every turn "
+        "generated by the policy inside it.",
+    )
+    steps: int = setting(10, "Train until this step.", low=0)
+    group: int = setting(4, "Rollouts per task (G).", low=1)
+    batch_tasks: int = setting(4, "Tasks per step.", low=1)
+    max_tokens: int = setting(128, "Per model call.", low=1)
+    max_turns: int = setting(8, "ReAct harness turns.", low=1)
+    max_steps: int | None = setting(None, "GUI harness steps (default: the task's, 15).", low=1)
+    max_context: int | None = setting(
+        None, "Prompt + completion tokens (default: the model's own context length).", low=1
+    )
+    concurrency: int = setting(8, "Rollouts in flight.", low=1)
+    # One setting for both, since importance weights need the distribution the rollouts sampled
+    # from: rl/loop.py hands it to the gateway and to the Trainer.
+    temperature: float = setting(
+        1.0,
+        "Sampling temperature of the rollouts, and of the trainer's logprobs (one setting).",
+        low=0.0,
+        low_open=True,
+    )
+    on_failure: OnFailure = setting(
+        "zero",
+        "Score of a rollout whose harness crashed (or timed out, with --on-timeout zero).",
+        choices=("zero", "drop", "verify"),
+    )
+    # On a loaded machine the wall clock penalises load, not the policy.
+    on_timeout: OnTimeout = setting(
+        "exclude",
+        "A rollout stopped by its task's time limit: left out of the policy update and counted "
+        "(`timed_out` per step), as the machine's load may be why; or trained on with reward 0. A task "
+        "with `timeout_is_failure: true` is always a failure. Held-out evaluations score it 0.",
+        choices=("exclude", "zero"),
+    )
+    seed: int = setting(0, "The run's seed: the tasks each step draws, the trainer's.")
+    eval_every: int = setting(0, "Held-out pass@1 every N steps (greedy, one run per task; 0: never).", low=0)
+    eval_split: str = setting("heldout", "The held-out evaluation's split.")
+    eval_limit: int | None = setting(None, "Only the first N held-out tasks.", low=1)
+    keep_checkpoints: int = setting(2, "Checkpoints kept (the newest).", low=1)
+    progress: bool = setting(True, "Progress bars.")
+    overlap: bool = setting(False, "Run the next step's rollouts while this step trains.")
+    max_lag: int = setting(
+        1,
+        "Policy versions a trained sample may lag the trainer by; with --overlap, also how many "
+        "steps ahead rollouts run.",
+        low=0,
+    )
+    engine: str = setting(
+        "builtin",
+        "builtin (transformers, this process), vllm:URL (a vLLM server started with "
+        "VLLM_SERVER_DEV_MODE=1 that reads the run folder at the same path: it reloads each "
+        "checkpoint from disk) or sglang:URL.",
+    )
+    ptx_data: str | None = setting(
+        None,
+        "SFT data (what `openforge sft --data` reads: JSONL or ATIF) for the SFT-loss term of --ptx-coef.",
+        path=True,
+    )
+    # veRL's filter_groups, max_num_gen_batches. 1: every group goes to the trainer (which drops
+    # the equal-reward ones).
+    max_gen_batches: int = setting(
+        1,
+        "Dynamic sampling (DAPO): draw up to N batches of --batch-tasks tasks a step until "
+        "--batch-tasks groups have mixed rewards, and train on those alone. 1: off.",
+        low=1,
+    )
+    # rl/headroom.py: what the starting policy leaves RL to learn (headroom.json).
+    headroom_tasks: int = setting(
+        0, "Measure the headroom on N train tasks before the first step of a fresh run. 0: off.", low=0
+    )
+    headroom_k: int = setting(8, "Runs per task of the headroom measurement (its pass@k).", low=1)
+    # The groups with a signal, so each is revisited across steps.
+    curriculum: bool = setting(
+        False,
+        "Train only on the tasks the headroom measurement (--headroom-tasks) found with mixed "
+        "outcomes (pass rate strictly between 0 and 1), each revisited across steps.",
+    )
+    backend: BackendChoice = setting(factory=BackendChoice)  # where the rollouts' sandboxes run
+    trainer: TrainerConfig = setting(factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        # One sampling temperature for the run: the trainer's logprobs must be of the distribution
-        # the rollouts sampled from, or every importance weight is off. The trainer takes the run's;
-        # a trainer set apart to another (not its default) is a contradiction, said at once.
-        if self.trainer.temperature not in (self.temperature, TrainerConfig.temperature):
-            raise ValueError(
-                f"the trainer's temperature {self.trainer.temperature:g} is not the rollouts' "
-                f"{self.temperature:g}: set the run's temperature alone (--temperature)"
-            )
         if self.curriculum and self.headroom_tasks < 1:
             raise ValueError("curriculum draws from the headroom measurement's tasks: set headroom_tasks")
         if self.on_timeout not in ("exclude", "zero"):
@@ -210,13 +297,11 @@ class TrainOptions:
             raise ValueError(
                 f"RL samples its rollouts: the temperature must be above 0, not {self.temperature:g}"
             )
-        self.trainer = dataclasses.replace(self.trainer, temperature=self.temperature)
 
     def to_json(self) -> dict[str, Any]:
-        """run.json: every setting once (the trainer's temperature is the run's, so left out)."""
+        """run.json: every setting once."""
         d = dataclasses.asdict(self)
         d["out"] = str(self.out)
-        del d["trainer"]["temperature"]
         return d
 
     @classmethod
@@ -228,46 +313,47 @@ class TrainOptions:
         return cls(**d)
 
 
+# The trainer's settings that are the run's (older run.json files hold them twice, in `trainer`).
+THE_RUNS = ("temperature", "seed")
+
+
 def run_settings(d: dict[str, Any]) -> dict[str, Any]:
-    """A copy of run.json's settings with every value once: a `trainer.temperature` (run.json
-    written before it was left out) must be the run's `temperature`, and goes; another is refused,
-    since the trainer's logprobs take the rollouts' temperature."""
+    """A copy of run.json's settings with every value once: `trainer.temperature` and
+    `trainer.seed` (run.json written before they were the run's alone) go. A temperature other than
+    the run's is refused (the trainer's logprobs must be of the rollouts' distribution: the run
+    never had one); another seed is replaced by the run's, and said."""
     d = {**d, "trainer": dict(d.get("trainer", {}))}
-    trainer_t = d["trainer"].pop("temperature", None)
+    temperature = d["trainer"].pop("temperature", None)
     run_t = d.get("temperature", TrainOptions.temperature)
-    if trainer_t is not None and trainer_t != run_t:
+    if temperature is not None and temperature != run_t:
         raise ValueError(
-            f"run.json: trainer.temperature {trainer_t:g} is not the run's temperature {run_t:g}; the "
+            f"run.json: trainer.temperature {temperature:g} is not the run's temperature {run_t:g}; the "
             "trainer's logprobs take the rollouts' temperature: remove trainer.temperature and set "
             "temperature alone (--temperature)"
+        )
+    seed = d["trainer"].pop("seed", None)
+    run_seed = d.get("seed", TrainOptions.seed)
+    if seed is not None and seed != run_seed:
+        warnings.warn(
+            f"run.json: trainer.seed {seed} is not the run's seed {run_seed}; the trainer now takes "
+            f"the run's seed ({run_seed}): set seed alone (--seed)",
+            stacklevel=2,
         )
     return d
 
 
-# Settings that `set_setting` does not change: named by their own options, or derived.
+# Settings that `set_setting` does not change: named by their own options, or the run's.
 NOT_SET = {
     "model": "--model",
     "out": "--out",
     "backend": "--backend, --image, --docker-host, --backend-config",
-    "trainer.temperature": "temperature (--temperature): the trainer's is the run's",
+    **{f"trainer.{name}": f"{name} (--{name}): the trainer's is the run's" for name in THE_RUNS},
 }
-_NESTED: dict[str, type] = {"trainer": TrainerConfig, "loss": LossConfig, "tuning": Tuning}
 
 
 def setting_keys() -> list[str]:
-    """Every setting `set_setting` takes, by its dotted path in run.json."""
-
-    def keys(cls: type, prefix: str) -> list[str]:
-        out: list[str] = []
-        for f in dataclasses.fields(cls):
-            key = prefix + f.name
-            if f.name in _NESTED and f.type == _NESTED[f.name].__name__:
-                out += keys(_NESTED[f.name], key + ".")
-            elif key not in NOT_SET:
-                out.append(key)
-        return out
-
-    return keys(TrainOptions, "")
+    """Every setting `set_setting` takes (each also has its option), by its dotted path in run.json."""
+    return [s.key for s in settings_of(TrainOptions, skip=NOT_SET)]
 
 
 def set_setting(d: dict[str, Any], key: str, text: str) -> None:
@@ -276,35 +362,10 @@ def set_setting(d: dict[str, Any], key: str, text: str) -> None:
     for a tuple). The TrainOptions made from `d` checks the value further."""
     if key in NOT_SET or key.split(".")[0] in NOT_SET:
         raise ValueError(f"{key} is not set this way: use {NOT_SET.get(key) or NOT_SET[key.split('.')[0]]}")
-    if key not in setting_keys():
-        raise ValueError(f"{key} is no setting of a run; the settings: {', '.join(setting_keys())}")
+    found = {s.key: s for s in settings_of(TrainOptions, skip=NOT_SET)}
+    if key not in found:
+        raise ValueError(f"{key} is no setting of a run; the settings: {', '.join(found)}")
     *path, name = key.split(".")
-    cls: type = TrainOptions
     for part in path:
-        cls = _NESTED[part]
         d = d.setdefault(part, {})
-    kind = str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
-    d[name] = _read(kind, text, key)
-
-
-def _read(kind: str, text: str, key: str) -> Any:
-    low = text.strip().lower()
-    if "None" in kind and low in ("none", "null"):
-        return None
-    try:
-        if kind.startswith("bool"):
-            if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                raise ValueError("true or false")
-            return low in ("true", "1", "yes", "on")
-        if kind.startswith("tuple"):
-            items = json.loads(text)
-            if not isinstance(items, list) or not all(isinstance(x, int | float) for x in items):
-                raise ValueError("a JSON list of numbers")
-            return [float(x) for x in items]
-        if kind.startswith("int"):
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-    except ValueError as exc:
-        raise ValueError(f"{key}={text}: not {kind} ({exc})") from exc
-    return text
+    d[name] = read(found[key].kind, text, key)

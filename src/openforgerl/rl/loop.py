@@ -498,7 +498,14 @@ def _start_trainer(
     model, and the weights the engine starts on."""
     checkpoints = list(iter_checkpoints(run.checkpoints))
     if not checkpoints:
-        trainer = Trainer(opts.model, opts.trainer, group_size=opts.group, demonstrations=demonstrations)
+        trainer = Trainer(
+            opts.model,
+            opts.trainer,
+            group_size=opts.group,
+            temperature=opts.temperature,
+            seed=opts.seed,
+            demonstrations=demonstrations,
+        )
         return trainer, Path(opts.model)
     last_step, last = checkpoints[-1]
     trainer = Trainer.resume(
@@ -506,6 +513,8 @@ def _start_trainer(
         opts.trainer,
         group_size=opts.group,
         reference_dir=opts.model,
+        temperature=opts.temperature,
+        seed=opts.seed,
         demonstrations=demonstrations,
     )
     state = json.loads((last / "trainer_state.json").read_text())

@@ -177,12 +177,15 @@ class Trainer:
         cfg: TrainerConfig,
         *,
         group_size: int,
+        temperature: float = 1.0,
+        seed: int = 0,
         reference_dir: str | Path | None = None,
         image_source: ImageSource | None = None,
         demonstrations: Sequence[Sample] = (),
         adapter_dir: str | Path | None = None,
     ) -> None:
         self.cfg = cfg
+        self.seed = seed  # the run's (TrainOptions.seed), as `temperature` is the run's sampling one
         self.demonstrations = [s for s in demonstrations if s.num_loss_tokens]
         if cfg.ptx_coef > 0 and not self.demonstrations:
             raise ValueError("ptx_coef > 0 needs demonstrations (SFT samples) to take the SFT loss on")
@@ -191,9 +194,9 @@ class Trainer:
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             betas=cfg.betas,
-            temperature=cfg.temperature,
+            temperature=temperature,
             device=cfg.device,
-            seed=cfg.seed,
+            seed=seed,
             image_source=image_source,
             tuning=cfg.tuning,
             adapter_dir=adapter_dir,
@@ -216,6 +219,8 @@ class Trainer:
         *,
         group_size: int,
         reference_dir: str | Path,
+        temperature: float = 1.0,
+        seed: int = 0,
         image_source: ImageSource | None = None,
         demonstrations: Sequence[Sample] = (),
     ) -> Trainer:
@@ -228,6 +233,8 @@ class Trainer:
             cfg,
             adapter_dir=adapter if lora else None,
             group_size=group_size,
+            temperature=temperature,
+            seed=seed,
             reference_dir=reference_dir,
             image_source=image_source,
             demonstrations=demonstrations,
@@ -325,7 +332,7 @@ class Trainer:
         """The step's optimizer updates on `samples`: their metrics, and each sample's summed
         loss-token logprob before them (keyed by id()), for `_update_effect`."""
         cfg = self.cfg
-        rng = random.Random(cfg.seed * 100_003 + self.step)
+        rng = random.Random(self.seed * 100_003 + self.step)
         n_mini = max(1, min(cfg.mini_batches, len(samples)))
         minis = []
         for _ in range(max(1, cfg.ppo_epochs)):  # each pass reshuffles the samples into mini-batches

@@ -32,8 +32,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from openforgerl import behaviour, faults
 from openforgerl.gateway.errors import ENGINE_UNAVAILABLE
@@ -41,6 +40,10 @@ from openforgerl.harnesses.launch import HarnessFactory, python_binds, python_hi
 from openforgerl.rollouts import steps
 from openforgerl.rollouts.admin import AdminClient
 from openforgerl.rollouts.results import RolloutResult, RunState, Status
+from openforgerl.rollouts.settings import OnFailure as OnFailure  # their old home, for importers
+from openforgerl.rollouts.settings import OnTimeout as OnTimeout
+from openforgerl.rollouts.settings import RolloutSettings
+from openforgerl.rollouts.settings import RunNetwork as RunNetwork
 from openforgerl.sampling import derive_seed
 from openforgerl.sandbox import (
     ExecResult,
@@ -62,39 +65,22 @@ from openforgerl.tasks.verify import (
     clip,
 )
 
-OnFailure = Literal["zero", "drop", "verify"]
-OnTimeout = Literal["exclude", "zero"]  # RL: a wall-clock timeout left out of the update, or scored 0
-RunNetwork = Literal["gateway", "host"]  # what a run's sandboxes reach (see the module's doc)
 VERIFIER_DIR = steps.VERIFIER_DIR  # where they were, for importers
 WORKDIR_TAR = steps.WORKDIR_TAR
 
 
 @dataclass
-class RunnerConfig:
+class RunnerConfig(RolloutSettings):
+    """The run's RolloutSettings (run id, state, concurrency, failures, sampling, network: declared
+    there once), with the gateway the runner reaches and what every sandbox gets."""
+
     gateway_url: str  # as the host reaches it
     admin_token: str
-    run_id: str
-    state_path: Path
-    concurrency: int = 4
-    infra_retries: int = 2
-    on_failure: OnFailure = "zero"
-    # A harness stopped by the task's wall clock is left out (dropped) instead of scored by
-    # on_failure, unless its task says the limit is part of it (`Task.timeout_is_failure`): RL's
-    # choice, so that a loaded machine teaches no penalty.
-    exclude_timeouts: bool = False
-    sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
-    # Seeded sampling: rollout (task, sample) samples with seeds drawn from (seed, task id, sample),
-    # whatever the weights, so an evaluation repeats exactly and two models meet the same random
-    # numbers (their per-task difference is less noisy). None: unseeded, as RL rollouts must be.
-    seed: int | None = None
     limits: Limits = field(default_factory=lambda: Limits(memory_bytes=2 << 30, cpus=1.0, pids=512))
     ro_binds: list[str | tuple[str, str]] = field(default_factory=python_binds)
     # Host paths under ro_binds that the agent must not see (local sandboxes): by default this
     # package's folder, of which only the files the harnesses run show (python_hidden).
     hidden: list[str] = field(default_factory=python_hidden)
-    # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
-    # tasks with harness_options.start_url).
-    network: RunNetwork = "gateway"
 
 
 class EngineDown(RuntimeError):

@@ -25,8 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -36,13 +35,12 @@ from openforgerl.harnesses.launch import HarnessChoice, python_binds
 from openforgerl.rollouts.admin import AdminClient
 from openforgerl.rollouts.results import RolloutResult, Status
 from openforgerl.rollouts.runner import (
-    OnFailure,
     Runner,
     RunnerConfig,
-    RunNetwork,
     check_images,
     check_network,
 )
+from openforgerl.rollouts.settings import RolloutSettings, settings_in
 from openforgerl.rollouts.trajectory import build_samples
 from openforgerl.sandbox import SandboxBackend
 from openforgerl.sandbox.local import LocalBackend
@@ -50,20 +48,11 @@ from openforgerl.tasks import Task
 
 
 @dataclass
-class RolloutJob:
-    """One run of rollouts: each task under its harness, the run's durable state, how a harness's
-    failure counts (runner.py), how each rollout samples, and what its samples include."""
+class RolloutJob(RolloutSettings):
+    """One run of rollouts (RolloutSettings: its state, concurrency, failures, sampling, network),
+    each task under its harness, and what its samples include."""
 
     harness: HarnessChoice
-    run_id: str
-    state_path: Path  # the runner's state (runner.db): finished rollouts are never redone
-    concurrency: int = 4
-    infra_retries: int = 2
-    on_failure: OnFailure = "zero"
-    exclude_timeouts: bool = False  # RL: a wall-clock timeout is left out, not scored (runner.py)
-    sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
-    seed: int | None = None  # seeded sampling (RunnerConfig.seed): reproducible, paired evaluations
-    network: RunNetwork = "gateway"  # "host": the sandboxes may use the host's network (live sites)
     include_side_requests: bool = True  # titles, routers: their own samples, with the reward
 
     def check(self, tasks: Sequence[Task], backend: str = "local") -> None:
@@ -130,15 +119,7 @@ class RolloutService:
         cfg = RunnerConfig(
             gateway_url=self.url,
             admin_token=self.admin_token,
-            run_id=job.run_id,
-            state_path=job.state_path,
-            concurrency=job.concurrency,
-            infra_retries=job.infra_retries,
-            on_failure=job.on_failure,
-            exclude_timeouts=job.exclude_timeouts,
-            sampling=dict(job.sampling),
-            seed=job.seed,
-            network=job.network,
+            **settings_in(job),
             ro_binds=[*python_binds(self.backend.name), *job.harness.ro_binds(tasks)],
         )
         runner = Runner(cfg, self.backend, job.harness)

@@ -52,8 +52,8 @@ from openforgerl.integrations.verl.data import AGENT_NAME, task_from_row
 from openforgerl.integrations.verl.engine import ServerManager, VerlServerEngine
 from openforgerl.integrations.verl.samples import split_sample
 from openforgerl.rollouts.results import RolloutResult, Status
-from openforgerl.rollouts.runner import OnFailure, OnTimeout
 from openforgerl.rollouts.service import RolloutJob, RolloutService
+from openforgerl.rollouts.settings import OnFailure, OnTimeout
 from openforgerl.run.folder import RunFolder
 from openforgerl.run.stack import serving
 from openforgerl.sampling import derive_seed
