@@ -24,6 +24,10 @@ class DemoConfig:
     seed: int = 0
     harness: str = "react"  # or an agent CLI (openforgerl.harnesses): every phase runs inside it
     size: Literal["tiny", "small"] = "tiny"
+    # A pretrained student instead of one made locally at `size`: a name `openforgerl.modelkit.pretrained`
+    # knows ("smollm2-135m-instruct"), copied into the run as its model. Its seed then changes only
+    # the SFT shuffle and the sampling, not the initial weights.
+    pretrained: str | None = None
     teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
     # The teacher notes each value it reads ('a.txt holds "6".') and writes out its computation
     # before the write, sums and differences in steps of one ("6 + 2 = 7 + 1 = 8 + 0 = 8."): the

@@ -61,7 +61,7 @@ def _evaluations(report: dict[str, Any]) -> list[str]:
     lines = [
         f"# OpenForgeRL demo: {report['suite']} inside {harness}",
         "",
-        f"A {cfg['size']} model made locally, SFT on {report['sft']['samples']} trajectories of the "
+        f"{_student(cfg)}, SFT on {report['sft']['samples']} trajectories of the "
         f"rule-based ORACLE teacher, then {len(report['rl_steps'])} GRPO steps "
         f"({cfg['rl_batch_tasks']} tasks x {cfg['rl_group']} rollouts per step), all through "
         f"{inside} ({report.get('harness_version', '')}) in local sandboxes and the recording gateway.",
@@ -164,3 +164,9 @@ def _steps(report: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _student(cfg: dict[str, Any]) -> str:
+    if cfg.get("pretrained"):
+        return f"The pretrained {cfg['pretrained']}"
+    return f"A {cfg['size']} model made locally"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +138,12 @@ class Phases:
 
         cfg = self.cfg
         done = (self.model_dir / "config.json").exists()
+        if cfg.pretrained:
+            from openforgerl.modelkit.pretrained import cached_pretrained
+
+            name = cfg.pretrained
+            self.phase("model", "model", done, lambda: _copy_model(cached_pretrained(name), self.model_dir))
+            return
         self.phase("model", "model", done, lambda: init_model(self.model_dir, size=cfg.size, seed=cfg.seed))
 
     def teach(self) -> None:
@@ -247,3 +254,11 @@ class Phases:
             plot_rewards(read_metrics(self.rl_dir), self.run.reward_curve)
             self.run.report_md.write_text(render_markdown(report))
         return report
+
+
+def _copy_model(source: Path, out: Path) -> None:
+    """The pretrained checkpoint in `source` as the run's model; config.json last (it marks it done)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir(), key=lambda f: f.name == "config.json"):
+        if f.is_file():
+            shutil.copy2(f, out / f.name)

@@ -32,7 +32,8 @@ cache in chunks of about `prefill_chunk_tokens` tokens across the rows (2048 x 3
 The parts, each in its own module: the running batch, its requests and the edits of its KV cache
 (`transformers_batch.py`), the sampler and the end of a completion (`transformers_sampler.py`),
 a checkpoint read and checked for a weight swap (`transformers_weights.py`), the prefix cache
-(`prefix_cache.py`). This module is the scheduler: the queue, the worker's loop and the prefills.
+(`prefix_cache.py`), each prefill pass's prompts and inputs (`transformers_prefill.py`), the decode
+attention (`decode_attention.py`). This module is the scheduler: the queue, the worker's loop and the prefills.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from openforgerl.engines.base import (
     completion_room,
 )
 from openforgerl.engines.decode_attention import use_grouped_decode
-from openforgerl.engines.prefix_cache import KV, PrefixCache
+from openforgerl.engines.prefix_cache import PrefixCache
 from openforgerl.engines.transformers_batch import (
     Batch,
     Request,
@@ -74,12 +75,11 @@ from openforgerl.engines.transformers_batch import (
     deliver,
     kv_bytes_per_token,
     merge,
-    pad_left,
     row_kv,
     select,
-    shared_prefix,
     stream,
 )
+from openforgerl.engines.transformers_prefill import CacheHit, after_cached_prefixes, this_pass, whole_prompts
 from openforgerl.engines.transformers_sampler import end_of, sample
 from openforgerl.engines.transformers_weights import validated_state, validated_tensors
 from openforgerl.images import Image
@@ -98,9 +98,6 @@ from openforgerl.vision import (
 # MIN_PREFILL_CHUNK of its own, so a wide batch does not take hundreds of passes).
 PREFILL_CHUNK_TOKENS = 2048
 MIN_PREFILL_CHUNK = 256
-# A prompt waits one prefill pass for the KV of another that opens alike only when that spares
-# it at least this many tokens: a pass of its own costs about as much as a few dozen tokens.
-SHARED_PREFIX_GAIN = 64
 
 
 class TransformersEngine:
@@ -454,36 +451,12 @@ class TransformersEngine:
         self.stats["requests"] += len(pending)
         batch: Batch | None = None
         while pending:
-            hits, cold, pending = self._this_pass(pending)
+            hits, cold, pending = this_pass(pending, self.prefix_cache, self._caches_prefixes)
             for part in (self._prefill_cached(hits) if hits else None, self._prefill_together(cold)):
                 if part is not None:
                     self._keep_prompts(part)
                     batch = part if batch is None else merge(batch, part)
         return batch
-
-    def _this_pass(
-        self, reqs: list[Request]
-    ) -> tuple[list[tuple[Request, int, KV]], list[Request], list[Request]]:
-        """(cache hits, cold prompts) to prefill now, and the prompts that wait for their KV."""
-        hits: list[tuple[Request, int, KV]] = []
-        cold: list[Request] = []
-        now: list[Request] = []
-        waiting: list[Request] = []
-        for r in reqs:
-            if not self._caches_prefixes(r):
-                cold.append(r)
-                continue
-            hit = self.prefix_cache.lookup(r.prompt_ids)
-            have = hit[0] if hit else 0
-            if any(shared_prefix(r.prompt_ids, o.prompt_ids) >= have + SHARED_PREFIX_GAIN for o in now):
-                waiting.append(r)
-                continue
-            now.append(r)
-            if hit is None:
-                cold.append(r)
-            else:
-                hits.append((r, *hit))
-        return hits, cold, waiting
 
     def _keep_prompts(self, batch: Batch) -> None:
         """Offer the prompts just prefilled to the prefix cache, for prompts that open alike."""
@@ -496,27 +469,10 @@ class TransformersEngine:
         # depend on the images, so its prompts always run whole.
         return self.prefix_cache.max_bytes > 0 and self._mergeable and req.vision is None
 
-    def _prefill_cached(self, hits: list[tuple[Request, int, KV]]) -> Batch | None:
-        """Prefill prompts whose first `cached` tokens' KV the prefix cache gave, in one pass over
-        the rest of each. Row i's cache is [padding | its cached KV], its input [padding | the rest],
-        so the mask has a hole between the two where the lengths differ."""
-        width = max(c for _, c, _ in hits)
-        rest = [r.prompt_ids[c:] for r, c, _ in hits]
-        span = max(map(len, rest))
-        cache = DynamicCache(config=self._model.config)
-        for layer in range(len(hits[0][2])):
-            keys = torch.cat([pad_left(kv[layer][0], width - c, -2) for _, c, kv in hits])
-            values = torch.cat([pad_left(kv[layer][1], width - c, -2) for _, c, kv in hits])
-            cache.update(keys, values, layer)
-        rows = [(width - c, c, span - len(t), t) for (_, c, _), t in zip(hits, rest, strict=True)]
-        ids = torch.tensor([[0] * gap + t for _, _, gap, t in rows], device=self.device)
-        mask = torch.tensor(
-            [[0] * p + [1] * c + [0] * gap + [1] * len(t) for p, c, gap, t in rows], device=self.device
-        )
-        pos = torch.tensor(
-            [[0] * gap + list(range(c, c + len(t))) for _, c, gap, t in rows], device=self.device
-        )
-        self.stats["prefill_tokens"] += sum(map(len, rest))
+    def _prefill_cached(self, hits: list[CacheHit]) -> Batch | None:
+        """Prefill prompts whose first tokens' KV the prefix cache gave, in one pass over the rest of each."""
+        ids, mask, pos, cache = after_cached_prefixes(hits, self._model.config, self.device)
+        self.stats["prefill_tokens"] += sum(len(r.prompt_ids) - c for r, c, _ in hits)
         logits = self._prefill_forward(ids, mask, pos, cache)
         lengths = torch.tensor([len(r.prompt_ids) for r, _, _ in hits], device=self.device)
         batch = Batch(
@@ -549,13 +505,7 @@ class TransformersEngine:
         return batch
 
     def _prefill_rows(self, reqs: list[Request]) -> Batch | None:
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.tensor(
-            [[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device
-        )
-        mask = torch.tensor(
-            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs], device=self.device
-        )
+        ids, mask = whole_prompts(reqs, self.device)
         cache = DynamicCache(config=self._model.config)
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         self.stats["prefill_tokens"] += int(lengths.sum())
