@@ -198,3 +198,27 @@ def test_the_faulted_condition_trains_on_faulted_tasks_and_reports_recovery(tmp_
     assert (
         "RL over SFT, pass@1 on the faulted held-out tasks: " in (tmp_path / "demo" / "report.md").read_text()
     )
+
+
+@pytest.mark.real_model
+def test_a_pretrained_student_runs_the_whole_demo(tmp_path: Path, smollm2_dir: Path) -> None:
+    """`pretrained`: SmolLM2-135M-Instruct is the run's model, untouched, and goes through every
+    phase (teacher in its template, SFT, GRPO, the evaluations) with the model generating."""
+    from transformers import AutoTokenizer
+
+    sizes = {**TOY, "reworded_eval": False, "sft_lr": 5e-5, "rl_lr": 2e-6}
+    cfg = demo.DemoConfig(out=tmp_path / "demo", pretrained="smollm2-135m-instruct", **sizes)  # type: ignore[arg-type]
+    report = demo.run(cfg)
+    model = tmp_path / "demo" / "model"
+    for f in smollm2_dir.iterdir():  # a copy of the checkpoint, not a model made locally
+        if f.is_file():
+            assert (model / f.name).read_bytes() == f.read_bytes(), f.name
+    template = AutoTokenizer.from_pretrained(model).chat_template
+    assert "<|im_start|>" in template
+    teacher = [json.loads(line) for line in (tmp_path / "demo" / "teacher" / "samples.jsonl").open()]
+    assert len(teacher) == 4
+    assert list(report["evaluations"]) == ["before", "sft", "rl"]
+    assert all(ev["rollouts"] == 4 for ev in report["evaluations"].values())
+    assert report["sft"]["loss_after"] < report["sft"]["loss_before"]
+    assert len(report["rl_steps"]) == 2
+    assert "The pretrained smollm2-135m-instruct" in (tmp_path / "demo" / "report.md").read_text()

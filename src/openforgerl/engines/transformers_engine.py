@@ -33,7 +33,8 @@ The parts, each in its own module: the running batch, its requests and the edits
 (`transformers_batch.py`), the sampler and the end of a completion (`transformers_sampler.py`),
 a checkpoint read and checked for a weight swap (`transformers_weights.py`), the prefix cache
 (`prefix_cache.py`), each prefill pass's prompts and inputs (`transformers_prefill.py`), the decode
-attention (`decode_attention.py`). This module is the scheduler: the queue, the worker's loop and the prefills.
+attention (`decode_attention.py`). This module is the scheduler: the queue, the worker's loop and
+the prefills.
 """
 
 from __future__ import annotations
