@@ -101,3 +101,87 @@ def test_each_setting_is_declared_once_with_its_help() -> None:
     by_param = {p.name: p for p in train_cmd.params}
     assert "[default: 8]" in (by_param["concurrency"].help or "")
     assert "[default: 1.0]" in (by_param["temperature"].help or "")
+
+
+def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    base = ["--out", str(run)]
+    result, (opts,) = _train([*base, "--model", "m", "--temperature", "0.7", "--lr", "1e-3"], monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert opts.temperature == 0.7 and opts.trainer.lr == 1e-3
+    assert opts.trainer.neg_adv_scale == 1.0
+    result, (scaled,) = _train([*base, "--model", "m", "--neg-adv-scale", "0.25"], monkeypatch)
+    assert result.exit_code == 0 and scaled.trainer.neg_adv_scale == 0.25
+    assert scaled.to_json()["trainer"]["neg_adv_scale"] == 0.25
+    result, (cur,) = _train([*base, "--model", "m", "--curriculum", "--headroom-tasks", "32"], monkeypatch)
+    assert result.exit_code == 0 and cur.curriculum and cur.headroom_tasks == 32
+    saved = opts.to_json()
+    assert saved["temperature"] == 0.7 and "temperature" not in saved["trainer"]  # one place in run.json
+    run.mkdir()
+    (run / loop.RUN_FILE).write_text(json.dumps(saved))
+
+    # --resume: run.json's settings; an option given again changes one, on both sides, and is said.
+    result, (resumed,) = _train([*base, "--resume"], monkeypatch)
+    assert result.exit_code == 0 and resumed.temperature == 0.7 and resumed.trainer.lr == 1e-3
+    result, (resumed,) = _train([*base, "--resume", "--temperature", "0.9"], monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert resumed.temperature == 0.9
+    assert "resumed with temperature = 0.9 (was 0.7)" in result.output
+    assert resumed.trainer.lr == 1e-3 and resumed.model == "m"  # the rest is the run's
+
+    # A run.json whose trainer names another temperature than the rollouts' is refused, plainly.
+    (run / loop.RUN_FILE).write_text(
+        json.dumps({**saved, "trainer": {**saved["trainer"], "temperature": 1.0}})
+    )
+    result, seen = _train([*base, "--resume"], monkeypatch)
+    assert result.exit_code != 0 and not seen
+    assert "trainer.temperature 1 is not the run's temperature 0.7" in result.output
+    # One that repeats the run's (as run.json did before it was left out) is the same run.
+    (run / loop.RUN_FILE).write_text(
+        json.dumps({**saved, "trainer": {**saved["trainer"], "temperature": 0.7}})
+    )
+    result, (resumed,) = _train([*base, "--resume", "--temperature", "0.8"], monkeypatch)
+    assert result.exit_code == 0 and resumed.temperature == 0.8
+    assert "temperature" not in resumed.to_json()["trainer"]  # migrated: the run's alone
+
+
+def test_train_set_reaches_every_setting_of_run_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from openforgerl.rl.config import setting_keys
+
+    keys = setting_keys()
+    assert "trainer.temperature" not in keys and "model" not in keys
+    assert {"split", "max_context", "on_failure", "keep_checkpoints", "trainer.weight_decay"} <= set(keys)
+    assert {
+        "trainer.betas",
+        "trainer.loss.loss_agg_mode",
+        "trainer.loss.kl_type",
+        "trainer.tuning.lora_rank",
+    } <= set(keys)
+    sets = [
+        "trainer.weight_decay=0.01",
+        "trainer.betas=[0.9, 0.95]",
+        "trainer.measure_update=false",
+        "trainer.loss.loss_agg_mode=seq-mean-token-mean",
+        "trainer.loss.tis=none",
+        "max_context=none",
+        "eval_split=test",
+        "keep_checkpoints=3",
+    ]
+    args = ["--model", "m", "--out", str(tmp_path / "r")]
+    result, (opts,) = _train([*args, *(x for s in sets for x in ("--set", s))], monkeypatch)
+    assert result.exit_code == 0, result.output
+    assert opts.trainer.weight_decay == 0.01 and opts.trainer.betas == (0.9, 0.95)
+    assert opts.trainer.measure_update is False and opts.trainer.loss.tis is None
+    assert opts.trainer.loss.loss_agg_mode == "seq-mean-token-mean"
+    assert opts.max_context is None and opts.eval_split == "test" and opts.keep_checkpoints == 3
+    for bad, said in [
+        ("trainer.temperature=0.5", "--temperature"),
+        ("nope=1", "no setting of a run"),
+        ("trainer.lr=fast", "trainer.lr=fast: not float"),
+        ("trainer.loss.loss_agg_mode=mean", "loss_agg_mode must be one of"),
+        ("model=x", "--model"),
+    ]:
+        result, seen = _train([*args, "--set", bad], monkeypatch)
+        assert result.exit_code != 0 and said in result.output and not seen, (bad, result.output)
