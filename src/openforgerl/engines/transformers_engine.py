@@ -56,6 +56,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from openforgerl.engines import transformers_prefill as prefill
 from openforgerl.engines.base import (
     PREFIX_CACHE_MB,
     EngineError,
@@ -80,7 +81,6 @@ from openforgerl.engines.transformers_batch import (
     select,
     stream,
 )
-from openforgerl.engines.transformers_prefill import CacheHit, after_cached_prefixes, this_pass, whole_prompts
 from openforgerl.engines.transformers_sampler import end_of, sample
 from openforgerl.engines.transformers_weights import validated_state, validated_tensors
 from openforgerl.images import Image
@@ -452,17 +452,18 @@ class TransformersEngine:
         self.stats["requests"] += len(pending)
         batch: Batch | None = None
         while pending:
-            hits, cold, pending = this_pass(pending, self.prefix_cache, self._caches_prefixes)
+            hits, cold, pending = prefill.this_pass(pending, self.prefix_cache, self._caches_prefixes)
             for part in (self._prefill_cached(hits) if hits else None, self._prefill_together(cold)):
                 if part is not None:
-                    self._keep_prompts(part)
+                    self._keep_prompts(part, pending)
                     batch = part if batch is None else merge(batch, part)
         return batch
 
-    def _keep_prompts(self, batch: Batch) -> None:
-        """Offer the prompts just prefilled to the prefix cache, for prompts that open alike."""
+    def _keep_prompts(self, batch: Batch, waiting: list[Request]) -> None:
+        """Offer to the prefix cache the prompts just prefilled that a waiting prompt opens like
+        (only those: each offer copies the row's KV out of the batch)."""
         for i, row in enumerate(batch.rows):
-            if self._caches_prefixes(row):
+            if self._caches_prefixes(row) and any(prefill.waits_for(w, row) for w in waiting):
                 self._keep_prefix(batch, i)
 
     def _caches_prefixes(self, req: Request) -> bool:
@@ -470,9 +471,9 @@ class TransformersEngine:
         # depend on the images, so its prompts always run whole.
         return self.prefix_cache.max_bytes > 0 and self._mergeable and req.vision is None
 
-    def _prefill_cached(self, hits: list[CacheHit]) -> Batch | None:
+    def _prefill_cached(self, hits: list[prefill.CacheHit]) -> Batch | None:
         """Prefill prompts whose first tokens' KV the prefix cache gave, in one pass over the rest of each."""
-        ids, mask, pos, cache = after_cached_prefixes(hits, self._model.config, self.device)
+        ids, mask, pos, cache = prefill.after_cached_prefixes(hits, self._model.config, self.device)
         self.stats["prefill_tokens"] += sum(len(r.prompt_ids) - c for r, c, _ in hits)
         logits = self._prefill_forward(ids, mask, pos, cache)
         lengths = torch.tensor([len(r.prompt_ids) for r, _, _ in hits], device=self.device)
@@ -506,7 +507,7 @@ class TransformersEngine:
         return batch
 
     def _prefill_rows(self, reqs: list[Request]) -> Batch | None:
-        ids, mask = whole_prompts(reqs, self.device)
+        ids, mask = prefill.whole_prompts(reqs, self.device)
         cache = DynamicCache(config=self._model.config)
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         self.stats["prefill_tokens"] += int(lengths.sum())

@@ -34,7 +34,7 @@ def this_pass(
             continue
         hit = prefix_cache.lookup(r.prompt_ids)
         have = hit[0] if hit else 0
-        if any(shared_prefix(r.prompt_ids, o.prompt_ids) >= have + SHARED_PREFIX_GAIN for o in now):
+        if any(waits_for(r, o, have) for o in now):
             waiting.append(r)
             continue
         now.append(r)
@@ -43,6 +43,11 @@ def this_pass(
         else:
             hits.append((r, *hit))
     return hits, cold, waiting
+
+
+def waits_for(req: Request, other: Request, cached: int = 0) -> bool:
+    """Whether `req`, whose first `cached` tokens the prefix cache holds, waits for `other`'s KV."""
+    return shared_prefix(req.prompt_ids, other.prompt_ids) >= cached + SHARED_PREFIX_GAIN
 
 
 def whole_prompts(reqs: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
