@@ -58,7 +58,13 @@ from openforgerl.run.folder import RunFolder
 @click.option(
     "--batch-size", type=int, default=SFTConfig.batch_size, show_default=True, help="Sequences per step."
 )
-@click.option("--micro-batch-tokens", type=int, default=SFTConfig.micro_batch_tokens, show_default=True)
+@click.option(
+    "--micro-batch-tokens",
+    type=click.IntRange(min=0),
+    default=SFTConfig.micro_batch_tokens,
+    show_default=True,
+    help="Padded tokens per forward/backward pass (0: as many as the model's size allows in 4 GiB).",
+)
 @click.option(
     "--schedule",
     type=click.Choice(["constant", "cosine"]),

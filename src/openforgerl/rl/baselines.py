@@ -155,7 +155,7 @@ def continue_sft(
     lr: float,
     batch_size: int = 16,
     seed: int = 0,
-    micro_batch_tokens: int = 8192,
+    micro_batch_tokens: int = 0,
     device: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:

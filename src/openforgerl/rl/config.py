@@ -99,7 +99,10 @@ class TrainerConfig:
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's betas (two numbers).")
     max_grad_norm: float = setting(1.0, "Gradient clipping by global norm.")
     micro_batch_tokens: int = setting(
-        8192, "Padded tokens (rows x longest row) per forward/backward pass.", low=1
+        0,
+        "Padded tokens (rows x longest row) per forward/backward pass (0: as many as the model's "
+        "size allows in 4 GiB of activations).",
+        low=0,
     )
     mini_batches: int = setting(1, "Optimizer updates per pass over a step's samples.", low=1)
     ppo_epochs: int = setting(
@@ -177,7 +180,7 @@ class SFTConfig:
     weight_decay: float = 0.0
     epochs: int = 1
     batch_size: int = 16  # sequences per optimizer step
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 0  # padded tokens per forward/backward pass; 0: by the model's size
     max_grad_norm: float = 1.0
     seed: int = 0
     device: str | None = None
