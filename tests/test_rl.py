@@ -36,6 +36,7 @@ from openforgerl.rl.loop import (
     ptx_demonstrations,
     train,
 )
+from openforgerl.rl.policy import auto_micro_batch_tokens
 from openforgerl.rl.runs import start_engine, step_tasks, training_tasks
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, chat_sample, oracle_samples
 from openforgerl.rl.trainer import (
@@ -276,6 +277,23 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, engin
         params.append(torch.cat([p.detach().flatten() for p in trainer.policy.model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-5)
     assert micro_batches([5, 3, 9, 2], 10) == [[2], [0, 1], [3]]
+
+
+def test_the_default_micro_batch_fits_the_models_size(tiny_model_dir: Path) -> None:
+    """With no budget set, a micro-batch holds as many tokens as the model's activations allow in
+    4 GiB: the tiny model batches 8,192 tokens, SmolLM2 (30 layers, a 49,152-token vocabulary, which
+    at 8,192 tokens peaked at 17 GB) about 1,000, so its 1,400-token rollouts go one at a time."""
+    from transformers import AutoConfig
+
+    from openforgerl.modelkit.pretrained import cached_pretrained
+
+    assert TrainerConfig().micro_batch_tokens == 0 and SFTConfig().micro_batch_tokens == 0
+    policy = Policy(tiny_model_dir, lr=1e-3)
+    assert auto_micro_batch_tokens(policy.model.config) == 8192
+    rows = [one_turn_sample(list(range(i, 3000 + i)), [7, 8], [-1.0, -1.0]) for i in range(3)]
+    assert policy.micro_batches(rows) == [[0, 1], [2]]  # 2 x 3,002 tokens fit, a third does not
+    smollm2 = AutoConfig.from_pretrained(cached_pretrained("smollm2-135m-instruct"))
+    assert 800 <= auto_micro_batch_tokens(smollm2) <= 1400
 
 
 def test_a_shared_system_prompt_runs_once_with_the_same_logprobs_and_gradients(tiny_model_dir: Path) -> None:
