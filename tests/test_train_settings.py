@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -185,3 +186,39 @@ def test_train_set_reaches_every_setting_of_run_json(tmp_path: Path, monkeypatch
     ]:
         result, seen = _train([*args, "--set", bad], monkeypatch)
         assert result.exit_code != 0 and said in result.output and not seen, (bad, result.output)
+
+
+def test_every_sft_setting_is_an_option_of_sft_and_reaches_its_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`openforge sft`'s training options are SFTConfig's settings (Tuning's walked into): a field
+    added there is an option at once, with the field's default, and a given option reaches the
+    SFTTrainer's config while the rest keep their defaults."""
+    from openforgerl.cli.sft import sft_cmd
+    from openforgerl.rl import sft
+    from openforgerl.rl.config import SFTConfig
+
+    params = {p.name for p in sft_cmd.params}
+    assert {s.param for s in settings_of(SFTConfig)} <= params
+    seen: list[SFTConfig] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_trainer(model_dir: str, cfg: SFTConfig, **kw: Any) -> None:
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(sft, "SFTTrainer", fake_trainer)
+    monkeypatch.setattr(sft, "load_sft_data", lambda data, model: SimpleNamespace(image_source=None))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("")
+    args = ["--data", str(data), "--model", "m", "--out", str(tmp_path / "o"), "--lr", "3e-4"]
+    args += ["--schedule", "cosine", "--lora-rank", "4", "--gradient-checkpointing", "--device", "cpu"]
+    result = CliRunner().invoke(sft_cmd, args)
+    assert isinstance(result.exception, Stop), result.output
+    (cfg,) = seen
+    assert (cfg.lr, cfg.schedule, cfg.device) == (3e-4, "cosine", "cpu")
+    assert cfg.tuning == Tuning(lora_rank=4, gradient_checkpointing=True)
+    assert (cfg.epochs, cfg.batch_size, cfg.micro_batch_tokens) == (3, 16, 0)  # SFTConfig's defaults
+    assert CliRunner().invoke(sft_cmd, [*args[:6], "--lr", "0"]).exit_code == 2  # a rate above 0

@@ -110,7 +110,8 @@ def given_settings(cls: type, kw: dict[str, Any], skip: Collection[str] = ()) ->
     return given
 
 
-def apply_settings(d: dict[str, Any], given: Mapping[str, Any]) -> None:
-    """Put the given settings into the saved settings `d` (run.json's mapping)."""
+def apply_settings(d: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """Put the given settings into the saved settings `d` (run.json's mapping); returns `d`."""
     for key, value in given.items():
         put(d, key, value)
+    return d

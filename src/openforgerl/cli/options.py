@@ -18,7 +18,6 @@ import click
 from openforgerl.eval_options import EvalOptions
 from openforgerl.gateway.config import UpstreamSpec
 from openforgerl.harnesses.adapters import HARNESSES
-from openforgerl.rl.config import Tuning
 from openforgerl.sandbox.choice import BACKENDS, DEFAULT_IMAGE, BackendChoice
 
 CLI_HARNESSES = list(HARNESSES)  # the agent CLI adapters, for the help texts
@@ -333,43 +332,6 @@ def backend_choice(kw: dict[str, Any], backend: str | None = None) -> BackendCho
         except (ValueError, TypeError) as exc:
             raise click.BadParameter(str(exc), param_hint="--backend-config / --docker-host") from exc
     return choice
-
-
-def tuning_options(fn: Any) -> Any:
-    """What the trainer trains: every weight, or LoRA adapters; gradient checkpointing (defaults: Tuning)."""
-    return apply(
-        [
-            click.option(
-                "--lora-rank",
-                type=click.IntRange(min=0),
-                default=Tuning.lora_rank,
-                show_default=True,
-                help="Train rank-r LoRA adapters on every linear layer (peft), the base frozen; 0: every "
-                "weight. Checkpoints hold the merged model (what engines load) and adapter/.",
-            ),
-            click.option(
-                "--lora-alpha",
-                type=click.IntRange(min=1),
-                default=Tuning.lora_alpha,
-                help="LoRA alpha [default: 2 x rank].",
-            ),
-            click.option(
-                "--gradient-checkpointing",
-                is_flag=True,
-                help="Recompute decoder layers' activations in the backward pass: less memory, more time.",
-            ),
-        ],
-        fn,
-    )
-
-
-def tuning(kw: dict[str, Any]) -> Tuning:
-    """The Tuning of the tuning options (popped from `kw`)."""
-    return Tuning(
-        lora_rank=kw.pop("lora_rank"),
-        lora_alpha=kw.pop("lora_alpha"),
-        gradient_checkpointing=kw.pop("gradient_checkpointing"),
-    )
 
 
 def backend_options(fn: Any) -> Any:

@@ -1,4 +1,5 @@
-"""`openforge sft`: supervised fine-tuning (defaults: SFTConfig)."""
+"""`openforge sft`: supervised fine-tuning. Its training options are SFTConfig's settings (rl/config.py),
+derived by cli/config_options.py."""
 
 from __future__ import annotations
 
@@ -7,14 +8,8 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.options import (
-    CLI_HARNESSES,
-    backend_choice,
-    one_harness,
-    sandbox_options,
-    tuning,
-    tuning_options,
-)
+from openforgerl.cli.config_options import apply_settings, config_options, given_settings
+from openforgerl.cli.options import CLI_HARNESSES, backend_choice, one_harness, sandbox_options
 from openforgerl.rl.config import SFTConfig
 from openforgerl.run.folder import RunFolder
 
@@ -53,48 +48,13 @@ from openforgerl.run.folder import RunFolder
 )
 @click.option("--model", "model_dir", required=True, help="The student model dir (HF format).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the trained model goes.")
-@click.option("--epochs", type=int, default=3, show_default=True)
-@click.option("--lr", type=float, default=SFTConfig.lr, show_default=True, help="(from scratch: 1e-3)")
-@click.option(
-    "--batch-size", type=int, default=SFTConfig.batch_size, show_default=True, help="Sequences per step."
-)
-@click.option(
-    "--micro-batch-tokens",
-    type=click.IntRange(min=0),
-    default=SFTConfig.micro_batch_tokens,
-    show_default=True,
-    help="Padded tokens per forward/backward pass (0: as many as the model's size allows in 4 GiB).",
-)
-@click.option(
-    "--schedule",
-    type=click.Choice(["constant", "cosine"]),
-    default=SFTConfig.schedule,
-    show_default=True,
-    help="Learning-rate decay after the warm-up.",
-)
-@click.option(
-    "--warmup-steps",
-    type=int,
-    default=SFTConfig.warmup_steps,
-    show_default=True,
-    help="Linear warm-up steps.",
-)
 @click.option(
     "--val-data",
     type=click.Path(exists=True),
     default=None,
     help="Data like --data, never trained on: its loss is logged (val_loss) and summarised.",
 )
-@click.option(
-    "--eval-every",
-    type=int,
-    default=SFTConfig.eval_every,
-    show_default=True,
-    help="Steps between val losses.",
-)
-@click.option("--seed", type=int, default=SFTConfig.seed, show_default=True)
-@click.option("--device", default=SFTConfig.device, help="cpu or cuda (default: cuda when available).")
-@tuning_options
+@config_options(SFTConfig)
 @sandbox_options(help_more=" With --teacher.")
 def sft_cmd(
     data: str | None,
@@ -109,7 +69,7 @@ def sft_cmd(
     **kw: Any,
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
-    kw["tuning"] = tuning(kw)
+    cfg = SFTConfig.from_json(apply_settings({}, given_settings(SFTConfig, kw)))
     backend = backend_choice(kw)
     from openforgerl.rl.sft import SFTTrainer, load_sft_data, oracle_samples, write_samples
     from openforgerl.rollouts.trajectory import Sample
@@ -123,7 +83,7 @@ def sft_cmd(
             loaded = load_sft_data(data, model_dir)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
-        trainer = SFTTrainer(model_dir, SFTConfig(**kw), image_source=loaded.image_source)
+        trainer = SFTTrainer(model_dir, cfg, image_source=loaded.image_source)
         samples = list(loaded)
     else:
         from openforgerl.harnesses.launch import HarnessNotInstalled
@@ -132,7 +92,7 @@ def sft_cmd(
         if tasks not in ORACLE_SUITES:
             known = " and ".join(ORACLE_SUITES)
             raise click.BadParameter(f"the oracle teacher knows {known} only", param_hint="--tasks")
-        trainer = SFTTrainer(model_dir, SFTConfig(**kw))
+        trainer = SFTTrainer(model_dir, cfg)
         try:
             samples = oracle_samples(
                 model_dir,

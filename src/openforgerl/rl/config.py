@@ -176,23 +176,38 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    epochs: int = 1
-    batch_size: int = 16  # sequences per optimizer step
-    micro_batch_tokens: int = 0  # padded tokens per forward/backward pass; 0: by the model's size
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    device: str | None = None
-    # The learning-rate schedule over the run (transformers' schedulers): linear warm-up for
-    # `warmup_steps`, then "constant" or "cosine" decay. A model trained from scratch needs the
-    # warm-up to learn attention across a long harness prompt at a useful peak rate.
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    # Validation (fit's `val` samples): their loss every `eval_every` steps (0: before and after only).
-    eval_every: int = 0
-    # Every weight, or LoRA adapters (merged into the saved model); gradient checkpointing.
+    """`openforge sft`'s settings: its options derive from these fields (cli/config_options.py)."""
+
+    lr: float = setting(
+        1e-5, "Peak learning rate (AdamW); a model trained from scratch: 1e-3.", low=0, low_open=True
+    )
+    weight_decay: float = setting(0.0, "AdamW's weight decay.", low=0)
+    epochs: int = setting(3, "Passes over the data.", low=1)
+    batch_size: int = setting(16, "Sequences per optimizer step.", low=1)
+    micro_batch_tokens: int = setting(
+        0,
+        "Padded tokens per forward/backward pass (0: as many as the model's size allows in 4 GiB "
+        "of activations).",
+        low=0,
+    )
+    max_grad_norm: float = setting(1.0, "Gradient clipping by global norm.", low=0, low_open=True)
+    seed: int = setting(0, "Shuffling and initialisation seed.")
+    device: str | None = setting(None, "cpu or cuda (default: cuda when available).")
+    # A model trained from scratch needs the warm-up to learn attention across a long harness
+    # prompt at a useful peak rate.
+    schedule: str = setting(
+        "constant", "Learning-rate decay after the warm-up.", choices=("constant", "cosine")
+    )
+    warmup_steps: int = setting(0, "Linear warm-up steps.", low=0)
+    eval_every: int = setting(0, "Steps between validation losses (0: before and after only).", low=0)
     tuning: Tuning = setting(factory=Tuning)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SFTConfig:
+        """The config of saved (or given) settings, nested `tuning` as a mapping."""
+        d = dict(d)
+        d["tuning"] = Tuning.coerce(d.get("tuning"))
+        return cls(**d)
 
 
 @dataclass
