@@ -526,3 +526,47 @@ def test_the_engine_decodes_with_grouped_attention(tiny_model_dir: Path) -> None
             assert engine._model.config._attn_implementation == "grouped_decode"
 
     run(main)
+
+
+def test_slack_kv_layers_hold_what_plain_layers_hold_through_every_batch_edit() -> None:
+    """The engine's KV layers append a decode step's token in place (no copy of the whole cache)
+    and hold the same keys and values as transformers' DynamicLayer through the edits the engine
+    makes: rows leaving, batches merging, leading padding trimmed."""
+    from transformers.cache_utils import DynamicLayer
+
+    from openforgerl.engines.transformers_batch import SlackLayer, pad_left
+
+    torch.manual_seed(0)
+    slack, plain = SlackLayer(), DynamicLayer()
+
+    def step(rows: int, n: int = 1) -> None:
+        k, v = torch.randn(rows, 2, n, 4), torch.randn(rows, 2, n, 4)
+        for layer in (slack, plain):
+            layer.update(k, v)
+
+    def same() -> None:
+        assert torch.equal(slack.keys, plain.keys) and torch.equal(slack.values, plain.values)
+
+    step(3, 5)  # a prefill
+    same()
+    start = slack.keys.data_ptr()
+    for _ in range(80):  # decode steps beyond the first buffer's room: it grows, then stays put
+        step(3)
+        same()
+    assert slack.keys.shape[-2] == 85 and slack.keys.data_ptr() != start
+    grown = slack.keys.data_ptr()
+    step(3)
+    assert slack.keys.data_ptr() == grown  # in place
+    for layer in (slack, plain):  # a row leaves
+        layer.batch_select_indices(torch.tensor([0, 2]))
+    step(2)
+    same()
+    other = torch.randn(1, 2, 4, 4)
+    for layer in (slack, plain):  # a shorter batch joins, left-padded; then padding is trimmed
+        assert layer.keys is not None and layer.values is not None
+        layer.keys = torch.cat([layer.keys, pad_left(other, 87 - 4, -2)])
+        layer.values = torch.cat([layer.values, pad_left(other, 87 - 4, -2)])
+        layer.keys, layer.values = layer.keys[..., 1:, :], layer.values[..., 1:, :]
+    for _ in range(3):
+        step(3)
+        same()

@@ -77,6 +77,7 @@ from openforgerl.engines.transformers_batch import (
     deliver,
     kv_bytes_per_token,
     merge,
+    new_cache,
     row_kv,
     select,
     stream,
@@ -508,7 +509,7 @@ class TransformersEngine:
 
     def _prefill_rows(self, reqs: list[Request]) -> Batch | None:
         ids, mask = prefill.whole_prompts(reqs, self.device)
-        cache = DynamicCache(config=self._model.config)
+        cache = new_cache(self._model.config)
         lengths = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)
         self.stats["prefill_tokens"] += int(lengths.sum())
         if self.processor is not None:

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 
 from openforgerl.engines.prefix_cache import KV, PrefixCache
-from openforgerl.engines.transformers_batch import Request, pad_left, shared_prefix
+from openforgerl.engines.transformers_batch import Request, new_cache, pad_left, shared_prefix
 
 # A prompt waits one prefill pass for the KV of another that opens alike only when that spares
 # it at least this many tokens: a pass of its own costs about as much as a few dozen tokens.
@@ -69,7 +69,7 @@ def after_cached_prefixes(
     width = max(c for _, c, _ in hits)
     rest = [r.prompt_ids[c:] for r, c, _ in hits]
     span = max(map(len, rest))
-    cache = DynamicCache(config=config)
+    cache = new_cache(config)
     for layer in range(len(hits[0][2])):
         keys = torch.cat([pad_left(kv[layer][0], width - c, -2) for _, c, kv in hits])
         values = torch.cat([pad_left(kv[layer][1], width - c, -2) for _, c, kv in hits])
