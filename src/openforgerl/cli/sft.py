@@ -69,7 +69,7 @@ def sft_cmd(
     **kw: Any,
 ) -> None:
     """SFT on recorded trajectories (loss on the assistant's tokens only)."""
-    cfg = SFTConfig.from_json(apply_settings({}, given_settings(SFTConfig, kw)))
+    cfg = SFTConfig.from_dict(apply_settings({}, given_settings(SFTConfig, kw)))
     backend = backend_choice(kw)
     from openforgerl.rl.sft import SFTTrainer, load_sft_data, oracle_samples, write_samples
     from openforgerl.rollouts.trajectory import Sample

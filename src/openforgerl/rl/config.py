@@ -203,7 +203,7 @@ class SFTConfig:
     tuning: Tuning = setting(factory=Tuning)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> SFTConfig:
+    def from_dict(cls, d: dict[str, Any]) -> SFTConfig:
         """The config of saved (or given) settings, nested `tuning` as a mapping."""
         d = dict(d)
         d["tuning"] = Tuning.coerce(d.get("tuning"))
