@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 # The harness every demo phase runs inside: the built-in ReAct loop, or an agent CLI
 # (`make demo HARNESS=mini-swe-agent`, `HARNESS=pi`), installed first at its pinned version.
 HARNESS ?= react
-DEMO_DIR ?= runs/demo$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
+# A named set of the demo's settings (`make demo RECIPE=smollm2`: the pretrained student), and any
+# further settings (`ARGS="--rl-steps 10 --seed 1"`; every one: python -m openforgerl.demo --help).
+RECIPE ?=
+ARGS ?=
+DEMO_DIR ?= runs/demo$(if $(RECIPE),-$(RECIPE))$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
 
 .PHONY: venv demo demo-quick test lint typecheck unit sysdeps test-vllm test-verl bench clean
 
@@ -24,12 +28,12 @@ venv: $(STAMP)
 ## sandboxes through the gateway; runs/demo/report.md holds the before/after table and the reward curve.
 demo: $(STAMP) sysdeps
 	$(if $(filter-out react,$(HARNESS)),$(BIN)/openforge harness install $(HARNESS))
-	$(BIN)/python -m openforgerl.demo --harness $(HARNESS) --out $(DEMO_DIR)
+	$(BIN)/python -m openforgerl.demo $(if $(RECIPE),--recipe $(RECIPE)) --harness $(HARNESS) --out $(DEMO_DIR) $(ARGS)
 
 ## The same path at toy sizes (a few minutes): proves the pipeline, not learning.
 demo-quick: $(STAMP) sysdeps
 	$(if $(filter-out react,$(HARNESS)),$(BIN)/openforge harness install $(HARNESS))
-	$(BIN)/python -m openforgerl.demo --quick --no-progress --harness $(HARNESS) --out $(DEMO_DIR)-quick
+	$(BIN)/python -m openforgerl.demo --quick --no-progress --harness $(HARNESS) --out $(DEMO_DIR)-quick $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

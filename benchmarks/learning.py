@@ -16,9 +16,9 @@ Every difference is paired by task within a seed, with its 95% bootstrap interva
 summary gives mean ± 95% CI over seeds (Student t). Issue #33's goal: RL − SFT held-out pass@1 >= +10
 points with every seed's interval above 0, greedy not lower.
 
-    .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--quick] [--no-baselines] [--faults]
-                                            [--set KEY=VALUE ...] [--out benchmarks/results/learning.json]
-                                            [--start-from RUN]
+    .venv/bin/python benchmarks/learning.py [--seeds 0 1 2] [--recipe quick|smollm2] [--faults]
+                                            [--no-baselines] [--set KEY=VALUE ...] [--start-from RUN]
+                                            [--out benchmarks/results/learning.json]
 
 `--start-from RUN` copies RUN's model, teacher data, SFT model and their evaluations into the (new)
 seed folder, so only RL and its evaluations run: RL recipes compared from one SFT model.
@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from openforgerl import demo
+from openforgerl.settings import read, settings_of
 
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 BASELINES = ("sft-more", "rft")
@@ -54,27 +55,19 @@ def mean_ci(values: list[float]) -> dict[str, float]:
     return {"mean": m, "ci95": half, "n": len(values)}
 
 
-def _coerce(field: dataclasses.Field[Any], text: str) -> Any:
-    kind = str(field.type)
-    if "bool" in kind:
-        return text.lower() in {"1", "true", "yes", "on"}
-    if "int" in kind and "float" not in kind:
-        return None if text.lower() == "none" else int(text)
-    if "float" in kind:
-        return float(text)
-    return text
-
-
-def config(seed: int, root: Path, quick: bool, faults: bool, sets: list[str]) -> demo.DemoConfig:
+def config(seed: int, root: Path, recipe: str | None, faults: bool, sets: list[str]) -> demo.DemoConfig:
+    """The demo's settings for one seed: the defaults, `recipe`'s (demo.RECIPES), then each --set."""
     cfg = demo.DemoConfig(out=root / f"seed-{seed}", seed=seed, progress=False, faults=faults)
-    if quick:
-        cfg = dataclasses.replace(cfg, **demo.QUICK)  # type: ignore[arg-type]
-    fields = {f.name: f for f in dataclasses.fields(demo.DemoConfig)}
+    cfg = dataclasses.replace(cfg, **demo.RECIPES.get(recipe or "", {}))  # type: ignore[arg-type]
+    fields = {s.key: s for s in settings_of(demo.DemoConfig)}
     for item in sets:
         key, _, value = item.partition("=")
         if key not in fields or key in {"out", "seed"}:
-            raise SystemExit(f"--set {item}: not a DemoConfig field ({', '.join(sorted(fields))})")
-        cfg = dataclasses.replace(cfg, **{key: _coerce(fields[key], value)})
+            raise SystemExit(f"--set {item}: not a DemoConfig setting ({', '.join(sorted(fields))})")
+        try:
+            cfg = dataclasses.replace(cfg, **{key: read(fields[key].kind, value, key)})
+        except ValueError as exc:
+            raise SystemExit(f"--set {item}: {exc}") from exc
     return cfg
 
 
@@ -315,7 +308,12 @@ def markdown(seeds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--quick", action="store_true", help="toy sizes (the pipeline, not learning)")
+    ap.add_argument(
+        "--quick", action="store_true", help="toy sizes (the pipeline, not learning): --recipe quick"
+    )
+    ap.add_argument(
+        "--recipe", choices=sorted(demo.RECIPES), default=None, help="a named set of DemoConfig settings"
+    )
     ap.add_argument("--faults", action="store_true", help="the demo's faulted condition too")
     ap.add_argument("--no-baselines", action="store_true", help="RL alone, without sft-more and rft")
     ap.add_argument("--baseline-lr", type=float, default=1e-4, help="the baselines' constant SFT rate")
@@ -333,18 +331,24 @@ def main() -> None:
     args = ap.parse_args()
     if args.start_from and len(args.seeds) != 1:
         raise SystemExit("--start-from gives one SFT model: run one seed (its own)")
+    recipe = "quick" if args.quick else args.recipe
     seeds = []
     for seed in args.seeds:
-        cfg = config(seed, args.runs, args.quick, args.faults, args.set)
+        cfg = config(seed, args.runs, recipe, args.faults, args.set)
         if args.start_from and not cfg.out.exists():
             start_from(args.start_from, cfg.out)
         seeds.append(one_seed(cfg, not args.no_baselines, args.baseline_lr))
         print(f"seed {seed}: RL - SFT pass@1 {_paired(seeds[-1]['rl_minus_sft']['pass@1'])}", flush=True)
     summary = summarize(seeds)
-    cfg = config(args.seeds[0], args.runs, args.quick, args.faults, args.set)
+    cfg = config(args.seeds[0], args.runs, recipe, args.faults, args.set)
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in {"out", "seed", "progress"}}
     result = {
-        "config": {**settings, "baselines": not args.no_baselines, "baseline_lr": args.baseline_lr},
+        "config": {
+            **settings,
+            "recipe": recipe,
+            "baselines": not args.no_baselines,
+            "baseline_lr": args.baseline_lr,
+        },
         "seeds": seeds,
         "summary": summary,
     }

@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from openforgerl import demo
+from openforgerl.settings import settings_of
 from openforgerl.tasks import load_tasks
 
 pytestmark = pytest.mark.timeout(900)
@@ -27,6 +29,41 @@ TOY = dict(
     concurrency=4,
     progress=False,
 )
+
+
+def test_every_demo_setting_is_an_option_and_a_recipe_yields_to_the_options_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m openforgerl.demo`'s options are DemoConfig's settings: a field added there is an
+    option at once. The run gets the defaults, then the recipe's settings, then the options given."""
+    from openforgerl.demo import command
+
+    params = {p.name for p in command.demo_cmd.params}
+    assert {s.param for s in settings_of(demo.DemoConfig)} <= params
+    seen: list[demo.DemoConfig] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(cfg: demo.DemoConfig) -> None:
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(command.pipeline, "run", fake_run)
+    args = ["--recipe", "smollm2", "--rl-steps", "9", "--no-greedy-eval", "--eval-tasks", "none"]
+    result = CliRunner().invoke(command.demo_cmd, [*args, "--out", str(tmp_path / "d"), "--until", "sft"])
+    assert isinstance(result.exception, Stop), result.output
+    (cfg,) = seen
+    assert cfg.pretrained == "smollm2-135m-instruct" and cfg.rl_lr == demo.RECIPES["smollm2"]["rl_lr"]
+    assert cfg.rl_steps == 9 and cfg.greedy_eval is False and cfg.eval_tasks is None  # given: they win
+    assert cfg.out == tmp_path / "d" and cfg.until == "sft"
+    assert cfg.sft_eval_every == demo.DemoConfig.sft_eval_every  # in neither: the default
+    result = CliRunner().invoke(command.demo_cmd, ["--quick", "--seed", "3"])
+    assert isinstance(result.exception, Stop) and seen[-1].teacher_tasks == demo.QUICK["teacher_tasks"]
+    assert seen[-1].seed == 3
+    for bad in (["--quick", "--recipe", "smollm2"], ["--rl-lr", "0"], ["--size", "huge"]):
+        result = CliRunner().invoke(command.demo_cmd, bad)
+        assert result.exit_code == 2 and len(seen) == 2, (bad, result.output)
 
 
 def test_demo_rl_settings_reach_the_trainer(tmp_path: Path) -> None:

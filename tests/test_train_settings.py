@@ -222,3 +222,67 @@ def test_every_sft_setting_is_an_option_of_sft_and_reaches_its_trainer(
     assert cfg.tuning == Tuning(lora_rank=4, gradient_checkpointing=True)
     assert (cfg.epochs, cfg.batch_size, cfg.micro_batch_tokens) == (3, 16, 0)  # SFTConfig's defaults
     assert CliRunner().invoke(sft_cmd, [*args[:6], "--lr", "0"]).exit_code == 2  # a rate above 0
+
+
+def test_every_eval_setting_is_an_option_of_eval_and_rollout_and_reaches_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`openforge eval` and `rollout` take EvalOptions' settings as options (rollout less --k): a
+    field added there is an option at once; given ones reach the run, the rest keep their defaults."""
+    from openforgerl import evaluate
+    from openforgerl.cli.eval import eval_cmd
+    from openforgerl.cli.rollout import rollout_cmd
+    from openforgerl.eval_options import NOT_OPTIONS, EvalOptions
+
+    settings = {s.param for s in settings_of(EvalOptions, NOT_OPTIONS)}
+    assert settings <= {p.name for p in eval_cmd.params}
+    rollout_params = {p.name for p in rollout_cmd.params}
+    assert settings - {"k"} <= rollout_params and "k" not in rollout_params
+    seen: list[EvalOptions] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(opts: EvalOptions, *names: Any) -> None:
+        seen.append(opts)
+        raise Stop
+
+    monkeypatch.setattr(evaluate, "run_eval", fake)
+    monkeypatch.setattr(evaluate, "run_and_write_trajectories", fake)
+    args = ["--tasks", "tools-tiny", "--model", "m", "--temperature", "0.5", "--seed", "7"]
+    args += ["--max-steps", "40", "--no-progress", "--network", "host", "--on-failure", "drop"]
+    result = CliRunner().invoke(eval_cmd, [*args, "--k", "2", "--n", "4", "--out", str(tmp_path / "e")])
+    assert isinstance(result.exception, Stop), result.output
+    opts = seen[-1]
+    assert (opts.temperature, opts.seed, opts.max_steps, opts.progress) == (0.5, 7, 40, False)
+    assert (opts.network, opts.on_failure, opts.k, opts.n, opts.model) == ("host", "drop", 2, 4, "m")
+    assert opts.out == tmp_path / "e" and opts.harness == "react"
+    assert opts.max_tokens == EvalOptions.max_tokens and opts.concurrency == EvalOptions.concurrency
+    result = CliRunner().invoke(rollout_cmd, [*args, "--harness", "pi"])
+    assert isinstance(result.exception, Stop), result.output
+    assert seen[-1].out == Path("runs/rollout-tools-tiny-pi") and (seen[-1].k, seen[-1].n) == (1, None)
+    for command, bad in ((eval_cmd, ["--k", "3", "--n", "2"]), (rollout_cmd, ["--k", "2"])):
+        result = CliRunner().invoke(command, ["--tasks", "tools-tiny", "--model", "m", *bad])
+        assert result.exit_code == 2 and len(seen) == 2, (bad, result.output)
+
+
+def test_every_gateway_setting_is_an_option_of_gateway_and_reaches_its_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from openforgerl.cli.gateway import gateway
+    from openforgerl.gateway import server
+    from openforgerl.gateway.config import GatewayConfig
+
+    assert {s.param for s in settings_of(GatewayConfig, ("upstreams",))} <= {p.name for p in gateway.params}
+    seen: list[GatewayConfig] = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    args = ["--model", "m", "--port", "0", "--temperature", "none", "--header-timeout-s", "5"]
+    args += ["--durability", "normal", "--upstream", "judge=openai:gpt-x"]
+    result = CliRunner().invoke(gateway, args, env={"OPENFORGE_ADMIN_TOKEN": "t0k"})
+    assert result.exit_code == 0, result.output
+    (cfg,) = seen
+    assert (cfg.model, cfg.port, cfg.temperature, cfg.header_timeout_s) == ("m", 0, None, 5.0)
+    assert cfg.durability == "normal" and cfg.admin_token == "t0k" and cfg.upstreams[0].name == "judge"
+    assert cfg.max_tokens == GatewayConfig.max_tokens and cfg.body_timeout_s == GatewayConfig.body_timeout_s
+    for bad in (["--port", "0"], ["--model", "m", "--top-p", "2"], ["--model", "m", "--durability", "x"]):
+        assert CliRunner().invoke(gateway, bad).exit_code == 2 and len(seen) == 1

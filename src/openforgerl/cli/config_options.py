@@ -6,6 +6,7 @@ settings for a resumed one."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def _help(s: Setting, more: str = "") -> str:
     default = s.default
     shown = (
         ""
-        if default is None
+        if default is None or default is MISSING or default == ""
         else f"  [default: {'/'.join(map(str, default)) if isinstance(default, tuple) else default}]"
     )
     return f"{s.meta('help', '')}{more}{shown}".strip()
@@ -64,12 +65,14 @@ def option_of(s: Setting, **more: Any) -> Callable[[Any], Any]:
     `help_more` text after the field's help."""
     extra = dict(more)
     help_text = _help(s, extra.pop("help_more", ""))
+    if not extra.get("required"):  # click takes an explicit default of None as given
+        extra["default"] = None
     if s.kind.startswith("bool"):
         flag = s.meta("option") or f"{s.option}/--no-{s.option.removeprefix('--')}"
-        return click.option(flag, s.param, default=None, help=help_text, **extra)
+        return click.option(flag, s.param, help=help_text, **extra)
     if s.kind.startswith("tuple"):
-        return click.option(s.option, s.param, type=float, nargs=2, default=None, help=help_text, **extra)
-    return click.option(s.option, s.param, type=_type(s), default=None, help=help_text, **extra)
+        return click.option(s.option, s.param, type=float, nargs=2, help=help_text, **extra)
+    return click.option(s.option, s.param, type=_type(s), help=help_text, **extra)
 
 
 def config_options(

@@ -12,20 +12,15 @@ from openforgerl.run.folder import RunFolder
 
 
 @click.command("eval")
-@rollout_options
-@click.option(
-    "--k", "k", type=int, default=EvalOptions.k, show_default=True, help="pass@k and pass^k for k = 1..K."
-)
-@click.option("--n", "n", type=int, default=EvalOptions.n, help="Runs per task (n >= k; default k).")
-def eval_cmd(k: int, n: int | None, **kw: Any) -> None:
+@rollout_options()
+def eval_cmd(**kw: Any) -> None:
     """Run tasks n times each; report pass@k, pass^k and mean reward with 95% confidence intervals."""
     from openforgerl.evaluate import run_eval
 
-    if n is not None and n < k:
-        raise click.BadParameter(f"--n ({n}) must be at least --k ({k})", param_hint="--n")
-    names = kw.pop("harness")
-    kw["harness"] = names[0]
-    opts = eval_options(kw, k, n, f"runs/eval-{kw['tasks']}-{'-'.join(names)}")
+    names = kw["harness"] or [EvalOptions.harness]
+    opts = eval_options(kw, f"runs/eval-{kw['tasks']}-{'-'.join(names)}")
+    if opts.n is not None and opts.n < opts.k:
+        raise click.BadParameter(f"--n ({opts.n}) must be at least --k ({opts.k})", param_hint="--n")
     run = RunFolder(opts.out)
     if len(names) > 1:
         from openforgerl.evaluate import run_study

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from openforgerl.eval_options import EvalOptions
+from openforgerl.eval_options import NOT_OPTIONS, EvalOptions
 from openforgerl.gateway.config import UpstreamSpec
 from openforgerl.harnesses.adapters import HARNESSES
 from openforgerl.sandbox.choice import BACKENDS, DEFAULT_IMAGE, BackendChoice
@@ -109,141 +109,46 @@ def one_harness(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return names[0]
 
 
-def rollout_options(fn: Any) -> Any:
-    """Options shared by `eval` and `rollout` (defaults: EvalOptions)."""
-    fn = apply(
-        [
-            click.option(
-                "--tasks",
-                required=True,
-                help="A suite (tools-tiny, tools-tiny-faults, tools-tiny-reworded, claw-basic, web-basic), "
-                "a task file/dir, or harbor:DIR (Harbor task folders; found by themselves in a dir "
-                "without task files).",
-            ),
-            click.option(
-                "--harness",
-                default=EvalOptions.harness,
-                show_default=True,
-                callback=harness_list,
-                help="react (the built-in tool-calling loop), gui (a browser agent on screenshots, "
-                f"web-basic) or an agent CLI: {', '.join(CLI_HARNESSES)}. eval takes several, "
-                "comma-separated: the harness study (one side-by-side report). A task's own harness wins.",
-            ),
-            click.option("--split", default=None, help="Only tasks of this split (train, heldout, test)."),
-            click.option("--limit", type=int, default=None, help="Only the first N tasks."),
-            click.option(
-                "--model", "model_dir", default=None, help="Model dir served by an embedded gateway."
-            ),
-            click.option("--gateway", "gateway_url", default=None, help="A running gateway's URL instead."),
-            click.option(
-                "--admin-token",
-                envvar="OPENFORGE_ADMIN_TOKEN",
-                default=EvalOptions.admin_token,
-                help="With --gateway.",
-            ),
-            click.option("--concurrency", type=int, default=EvalOptions.concurrency, show_default=True),
-            click.option(
-                "--max-tokens",
-                type=int,
-                default=EvalOptions.max_tokens,
-                show_default=True,
-                help="Per model call.",
-            ),
-            click.option(
-                "--max-turns",
-                type=int,
-                default=EvalOptions.max_turns,
-                show_default=True,
-                help="ReAct harness turns.",
-            ),
-            click.option(
-                "--max-steps",
-                type=int,
-                default=None,
-                help="GUI harness steps, e.g. 15, 50, 100 (default: task).",
-            ),
-            click.option(
-                "--temperature",
-                type=float,
-                default=EvalOptions.temperature,
-                show_default=True,
-                help="Sampling temperature (embedded gateway; 0: greedy).",
-            ),
-            click.option(
-                "--seed",
-                type=int,
-                default=None,
-                help="Seeded sampling: every run of a task samples from its own seed, so the same weights "
-                "give the same rollouts, and two models evaluated with one seed meet the same random "
-                "numbers (a paired comparison with less noise). The engine must honour seeds "
-                "(the built-in one and vLLM do).",
-            ),
-            click.option(
-                "--on-failure",
-                type=click.Choice(["zero", "drop", "verify"]),
-                default=EvalOptions.on_failure,
-                show_default=True,
-                help="Score of a rollout whose harness crashed or timed out.",
-            ),
-            click.option(
-                "--network",
-                type=click.Choice(["gateway", "host"]),
-                default=EvalOptions.network,
-                show_default=True,
-                help="What sandboxes reach: only the gateway, or the host's network (the internet and the "
-                "host's own services), which live-site tasks (webvoyager:FILE, online-mind2web:FILE) need.",
-            ),
-            click.option(
-                "--engine-threads",
-                type=int,
-                default=None,
-                help="CPU threads of the embedded engine (default: half the cores, the rest for the "
-                "sandboxes: a harness, a browser and the engine oversubscribing 2 cores slow calls 4-30x).",
-            ),
-            click.option("--out", type=click.Path(file_okay=False), default=None, help="Run folder."),
-        ],
-        fn,
-    )
-    return sandbox_options()(upstream_options(fn))
+def _harness_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    return None if value is None else harness_list(ctx, param, value)
 
 
-def eval_options(kw: dict[str, Any], k: int, n: int | None, default_out: str) -> EvalOptions:
-    """The EvalOptions of `eval`'s and `rollout`'s options."""
+def rollout_options(skip: Sequence[str] = ()) -> Callable[[Any], Any]:
+    """The options of `eval` and `rollout`: EvalOptions' settings (less `skip`), then the upstream
+    models' and the sandbox backend's."""
+    from openforgerl.cli.config_options import config_options
+
+    more: dict[str, dict[str, Any]] = {
+        "tasks": {"required": True},
+        "harness": {"callback": _harness_list, "help_more": f" Agent CLIs: {', '.join(CLI_HARNESSES)}."},
+        "admin_token": {"envvar": "OPENFORGE_ADMIN_TOKEN"},
+    }
+
+    def decorate(fn: Any) -> Any:
+        fn = config_options(EvalOptions, skip=(*NOT_OPTIONS, *skip), more=more)(fn)
+        return sandbox_options()(upstream_options(fn))
+
+    return decorate
+
+
+def eval_options(kw: dict[str, Any], default_out: str, skip: Sequence[str] = ()) -> EvalOptions:
+    """The EvalOptions of `eval`'s and `rollout`'s options: the settings given over the defaults."""
+    from openforgerl.cli.config_options import given_settings
     from openforgerl.modelkit import cached_model
 
-    model_dir = kw.pop("model_dir")
+    given = given_settings(EvalOptions, kw, skip=(*NOT_OPTIONS, *skip))
     upstreams = upstream_specs(kw["upstreams"], kw["upstream_key_envs"], kw["upstream_timeout"])
-    if upstreams and kw["gateway_url"] is not None:
+    if upstreams and given.get("gateway") is not None:
         raise click.UsageError(
             "--upstream configures the embedded gateway; a running gateway (--gateway) serves its own "
             "(openforge gateway --upstream ...)"
         )
-    if model_dir is None and kw["gateway_url"] is None:
-        model_dir = str(cached_model("tiny", 0))
-        click.echo(f"no --model or --gateway: serving the tiny local model {model_dir}", err=True)
-    return EvalOptions(
-        tasks=kw["tasks"],
-        harness=kw["harness"],
-        k=k,
-        n=n,
-        split=kw["split"],
-        limit=kw["limit"],
-        model=model_dir,
-        gateway=kw["gateway_url"],
-        admin_token=kw["admin_token"],
-        concurrency=kw["concurrency"],
-        max_tokens=kw["max_tokens"],
-        max_turns=kw["max_turns"],
-        max_steps=kw["max_steps"],
-        temperature=kw["temperature"],
-        seed=kw["seed"],
-        on_failure=kw["on_failure"],
-        out=Path(kw["out"] or default_out),
-        network=kw["network"],
-        engine_threads=kw["engine_threads"],
-        upstreams=upstreams,
-        backend=backend_choice(kw),
-    )
+    if given.get("model") is None and given.get("gateway") is None:
+        given["model"] = str(cached_model("tiny", 0))
+        click.echo(f"no --model or --gateway: serving the tiny local model {given['model']}", err=True)
+    given["out"] = Path(given.get("out") or default_out)
+    names = given.pop("harness", None) or [EvalOptions.harness]  # the first; eval's study takes them all
+    return EvalOptions(**given, harness=names[0], upstreams=upstreams, backend=backend_choice(kw))
 
 
 def refusing_bad_network(run: Any, opts: Any) -> Any:

@@ -11,6 +11,7 @@ from openforgerl.demo.command import main as main
 from openforgerl.demo.command import viewer_line as viewer_line
 from openforgerl.demo.config import FAULTS_SUITE as FAULTS_SUITE
 from openforgerl.demo.config import QUICK as QUICK
+from openforgerl.demo.config import RECIPES as RECIPES
 from openforgerl.demo.config import REWORDED_SUITE as REWORDED_SUITE
 from openforgerl.demo.config import SUITE as SUITE
 from openforgerl.demo.config import DemoConfig as DemoConfig

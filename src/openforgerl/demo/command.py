@@ -1,14 +1,19 @@
-"""`python -m openforgerl.demo`: the demo's command line."""
+"""`python -m openforgerl.demo`: the demo's command line. Its options are DemoConfig's settings
+(demo/config.py: each declared there once, with its default and help), derived as `openforge train`'s
+are; `--recipe` starts from a named set of them (config.RECIPES)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
+import click
+
+from openforgerl.cli.config_options import config_options, given_settings
 from openforgerl.demo import pipeline
-from openforgerl.demo.config import QUICK, DemoConfig
+from openforgerl.demo.config import RECIPES, DemoConfig
 from openforgerl.run.folder import RunFolder
 
 
@@ -21,41 +26,49 @@ def viewer_line(out: Path) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m openforgerl.demo",
-        description=pipeline.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--out", type=Path, default=Path("runs/demo"))
-    ap.add_argument("--quick", action="store_true", help="toy sizes: proves the pipeline in a few minutes")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument(
-        "--harness", default="react", help="react (built in) or an agent CLI, e.g. mini-swe-agent, pi"
-    )
-    ap.add_argument(
-        "--until",
-        choices=["sft"],
-        default=None,
-        help="stop after the SFT model's evaluations (a rerun continues)",
-    )
-    args = ap.parse_args(argv)
-    cfg = DemoConfig(
-        out=args.out, seed=args.seed, harness=args.harness, progress=not args.no_progress, until=args.until
-    )
-    if args.quick:
-        cfg = dataclasses.replace(cfg, **QUICK)  # type: ignore[arg-type]
+def demo_config(recipe: str | None, given: dict[str, Any]) -> DemoConfig:
+    """DemoConfig's defaults, then the recipe's settings, then the settings given."""
+    settings = {**RECIPES.get(recipe or "", {}), **given}
+    if "out" in settings:
+        settings["out"] = Path(settings["out"])
+    return dataclasses.replace(DemoConfig(), **settings)
+
+
+@click.command(
+    "demo",
+    help="`make demo`: a student learns tools-tiny from an oracle teacher's trajectories by SFT, then "
+    "by GRPO; held-out pass@1 before SFT, after SFT and after RL, paired, in OUT/report.md. Each phase "
+    "is skipped when its output exists, so a rerun continues. The phases: openforgerl/demo/pipeline.py.",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "--recipe",
+    type=click.Choice(sorted(RECIPES)),
+    default=None,
+    help="Start from a named set of settings: quick (toy sizes, proves the pipeline in minutes), "
+    "smollm2 (the pretrained SmolLM2-135M-Instruct student and its measured recipe). Options given "
+    "beside it win.",
+)
+@click.option("--quick", is_flag=True, help="The same as --recipe quick.")
+@config_options(DemoConfig)
+def demo_cmd(recipe: str | None, quick: bool, **kw: Any) -> None:
+    if quick and recipe not in (None, "quick"):
+        raise click.UsageError(f"--quick is --recipe quick: not with --recipe {recipe}")
+    cfg = demo_config("quick" if quick else recipe, given_settings(DemoConfig, kw))
     report = pipeline.run(cfg)
     if cfg.until:
-        print(
+        click.echo(
             f"stopped after {cfg.until}: {', '.join(report['evaluations'])} evaluated; "
             "rerun without --until to go on"
         )
         return
     out = RunFolder(cfg.out)
-    print(out.report_md.read_text())
-    print(f"report: {out.report_md}; curve: {out.reward_curve}")
-    print(viewer_line(cfg.out))
+    click.echo(out.report_md.read_text())
+    click.echo(f"report: {out.report_md}; curve: {out.reward_curve}")
+    click.echo(viewer_line(cfg.out))
     if not report["evaluations"]:
         sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    demo_cmd.main(args=argv, prog_name="python -m openforgerl.demo")

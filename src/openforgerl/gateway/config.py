@@ -9,6 +9,7 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from openforgerl.engines.base import PREFIX_CACHE_MB
+from openforgerl.settings import setting
 
 UpstreamKind = Literal["openai", "anthropic"]
 KINDS: tuple[UpstreamKind, ...] = ("openai", "anthropic")
@@ -58,33 +59,60 @@ class UpstreamSpec:
 
 @dataclass
 class GatewayConfig:
-    model: str
-    engine: str = "builtin"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    store: str = "openforge.db"
-    admin_token: str = ""
-    public_url: str = ""
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    max_tokens: int = 1024
-    max_context: int | None = None  # prompt + completion; None: the model's own context length
-    max_inflight: int = 1024
-    max_body: int = 32 << 20
-    # Slow or stalled clients (slowloris): a request's headers must arrive within header_timeout_s
-    # (from the connection's opening, or the request's first byte on a reused one) and its body
-    # within body_timeout_s (from when the gateway starts reading it; 32 MB in 60 s is 0.5 MB/s).
-    header_timeout_s: float | None = 30.0
-    body_timeout_s: float | None = 60.0
-    # Open connections one peer address may hold. Every rollout's harness reaches a local gateway
-    # from 127.0.0.1 (directly or through its sandbox's relay), so this must hold a whole run: each
-    # of max_inflight calls in flight plus about as many idle keep-alive connections between calls.
-    # It bounds a flood well below the usual open-file limits; raise it with max_inflight.
-    max_connections_per_peer: int | None = 2048
-    durability: str = "full"
-    # Threads that parse, render and tokenise calls off the event loop (gateway/workers.py).
-    work_threads: int = 2
+    """The gateway's settings, each its own option of `openforge gateway` (but `upstreams`, made from
+    --upstream...)."""
+
+    model: str = setting(help="HF model directory (tokenizer and chat template).")
+    engine: str = setting("builtin", "builtin (transformers, this process), vllm:URL or sglang:URL.")
+    host: str = setting("127.0.0.1", "The address to listen on.")
+    port: int = setting(8000, "The port to listen on.", low=0, high=65535)
+    store: str = setting("openforge.db", "SQLite file of the records.")
+    admin_token: str = setting("", "Token for /admin (random if unset; or OPENFORGE_ADMIN_TOKEN).")
+    public_url: str = setting("", "Base URL harnesses reach the gateway at (default http://HOST:PORT).")
+    temperature: float | None = setting(1.0, "Overrides the harness's (none: the harness's own).", low=0)
+    top_p: float | None = setting(1.0, "Overrides the harness's (none: the harness's own).", low=0, high=1)
+    max_tokens: int = setting(1024, "Cap and default per call.", low=1)
+    max_context: int | None = setting(
+        None, "Prompt + completion limit (none: the model's context length).", low=1
+    )
+    max_inflight: int = setting(1024, "Calls in flight; beyond this: 429.", low=1)
+    max_body: int = setting(32 << 20, "A request body's largest size in bytes; beyond it: 413.", low=1)
+    # From the connection's opening, or the request's first byte on a reused one; the body from when
+    # the gateway starts reading it (32 MB in 60 s is 0.5 MB/s).
+    header_timeout_s: float | None = setting(
+        30.0,
+        "Seconds a request's headers may take to arrive (slow clients: slowloris).",
+        low=0,
+        low_open=True,
+    )
+    body_timeout_s: float | None = setting(
+        60.0, "Seconds a request's body may take to arrive.", low=0, low_open=True
+    )
+    # Every rollout's harness reaches a local gateway from 127.0.0.1 (directly or through its
+    # sandbox's relay), so this must hold a whole run: each of max_inflight calls in flight plus about
+    # as many idle keep-alive connections between calls. It bounds a flood well below the usual
+    # open-file limits; raise it with max_inflight.
+    max_connections_per_peer: int | None = setting(
+        2048, "Open connections one client address may hold (all local rollouts share 127.0.0.1).", low=1
+    )
+    durability: str = setting(
+        "full",
+        "SQLite's synchronous mode for the records (full: fsync each commit).",
+        choices=("full", "normal"),
+    )
+    # gateway/workers.py
+    work_threads: int = setting(
+        2,
+        "Threads that parse, render and tokenise requests off the event loop (0: on it, for comparison).",
+        low=0,
+    )
     # External models a rollout can be answered by instead of the policy (`"upstream": NAME`).
     upstreams: list[UpstreamSpec] = field(default_factory=list)
-    engine_threads: int | None = None  # the built-in engine's CPU threads (None: torch's default)
-    prefix_cache_mb: float = PREFIX_CACHE_MB  # the built-in engine's prefix cache (0: off)
+    engine_threads: int | None = setting(
+        None, "The builtin engine's CPU threads (none: torch's default).", low=1
+    )
+    prefix_cache_mb: float = setting(
+        PREFIX_CACHE_MB,
+        "The builtin engine's prefix cache (KV of earlier turns and shared system prompts); 0: off.",
+        low=0,
+    )
