@@ -76,35 +76,11 @@ def _pass1(report: dict[str, Any], greedy: bool = False) -> float | None:
     return summary["pass@k"]["1"]["estimate"] if summary else None
 
 
-def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: bool = True) -> dict[str, Any]:
-    """sft-more and rft from the seed's SFT model, evaluated like the demo's models; with `run`
-    False, only what an earlier run of them left in the run folder."""
-    from openforgerl.rl.baselines import (
-        continue_sft,
-        matched_sft_steps,
-        rejection_sampling_data,
-        rl_trained_tokens,
-    )
-    from openforgerl.rl.sft import load_sft_data
+def _rft_data(cfg: demo.DemoConfig, sft_dir: Path, out: Path) -> Any:
+    """The SFT model's own rollouts on train tasks, as many as RL made, the passed ones kept."""
+    from openforgerl.rl.baselines import rejection_sampling_data
 
-    out, sft_dir = cfg.out, cfg.out / "sft"
-    tokens = rl_trained_tokens(out / "rl")
-    teacher = list(load_sft_data(out / "teacher" / "samples.jsonl", sft_dir))
-    data: dict[str, list[Any]] = {"sft-more": teacher}
-    rft_summary = out / "baselines" / "rft-data" / "summary.json"
-    if not run and not rft_summary.exists():
-        return {"rl_trained_tokens": tokens, "not run": list(BASELINES)}
-    # Each phase's wall time is kept beside its output, so a rerun that skips the phase reports it.
-    timings_file = out / "baselines" / "timings.json"
-    timed: dict[str, float] = json.loads(timings_file.read_text()) if timings_file.exists() else {}
-
-    def took(phase: str, t0: float) -> None:
-        timed[phase] = round(time.monotonic() - t0, 1)
-        timings_file.parent.mkdir(parents=True, exist_ok=True)
-        timings_file.write_text(json.dumps(timed, indent=2))
-
-    fresh, t0 = not rft_summary.exists(), time.monotonic()
-    rft = rejection_sampling_data(
+    return rejection_sampling_data(
         sft_dir,
         out / "baselines" / "rft-data",
         tasks=cfg.train_suite,
@@ -118,17 +94,53 @@ def baselines(cfg: demo.DemoConfig, lr: float, seconds: dict[str, float], run: b
         progress=False,
         harness=cfg.harness,
     )
-    if fresh:
-        took("rft-rollouts", t0)
-    data["rft"] = list(rft)
-    result: dict[str, Any] = {"rl_trained_tokens": tokens, "rft_data": rft.summary()}
+
+
+def baselines(
+    cfg: demo.DemoConfig,
+    lr: float,
+    seconds: dict[str, float],
+    run: bool = True,
+    names: tuple[str, ...] = BASELINES,
+) -> dict[str, Any]:
+    """The baselines `names` (sft-more, rft) from the seed's SFT model, evaluated like the demo's
+    models; with `run` False, or for the others, only what an earlier run of them left in the run
+    folder."""
+    from openforgerl.rl.baselines import continue_sft, matched_sft_steps, rl_trained_tokens
+    from openforgerl.rl.sft import load_sft_data
+
+    out, sft_dir = cfg.out, cfg.out / "sft"
+    tokens = rl_trained_tokens(out / "rl")
+    teacher = list(load_sft_data(out / "teacher" / "samples.jsonl", sft_dir))
+    data: dict[str, list[Any]] = {"sft-more": teacher}
+    rft_summary = out / "baselines" / "rft-data" / "summary.json"
+    ran = [n for n in BASELINES if (out / "baselines" / n / "baseline_summary.json").exists()]
+    if not run and not ran:
+        return {"rl_trained_tokens": tokens, "not run": list(BASELINES)}
+    # Each phase's wall time is kept beside its output, so a rerun that skips the phase reports it.
+    timings_file = out / "baselines" / "timings.json"
+    timed: dict[str, float] = json.loads(timings_file.read_text()) if timings_file.exists() else {}
+
+    def took(phase: str, t0: float) -> None:
+        timed[phase] = round(time.monotonic() - t0, 1)
+        timings_file.parent.mkdir(parents=True, exist_ok=True)
+        timings_file.write_text(json.dumps(timed, indent=2))
+
+    result: dict[str, Any] = {"rl_trained_tokens": tokens}
+    if (run and "rft" in names) or rft_summary.exists():
+        fresh, t0 = not rft_summary.exists(), time.monotonic()
+        rft = _rft_data(cfg, sft_dir, out)
+        if fresh:
+            took("rft-rollouts", t0)
+        data["rft"] = list(rft)
+        result["rft_data"] = rft.summary()
     for name in BASELINES:
         model = out / "baselines" / name
         summary_file = model / "baseline_summary.json"
-        if not run and not summary_file.exists():
+        if not (run and name in names) and not summary_file.exists():
             continue
         if not summary_file.exists():
-            if not data[name]:  # RFT kept nothing: the SFT model is its own result
+            if not data.get(name):  # RFT kept nothing: the SFT model is its own result
                 result[name] = {"skipped": "no passed rollout to train on"}
                 continue
             t0 = time.monotonic()
@@ -198,7 +210,7 @@ def _read_eval(out: Path, key: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def one_seed(cfg: demo.DemoConfig, with_baselines: bool, baseline_lr: float) -> dict[str, Any]:
+def one_seed(cfg: demo.DemoConfig, with_baselines: tuple[str, ...], baseline_lr: float) -> dict[str, Any]:
     report = demo.run(cfg)
     ev = report["evaluations"]
     seconds = dict(report["seconds"])
@@ -218,7 +230,9 @@ def one_seed(cfg: demo.DemoConfig, with_baselines: bool, baseline_lr: float) -> 
         "rl_steps": report["rl_steps"],
     }
     if with_baselines or (cfg.out / "baselines").is_dir():  # without them, what an earlier run measured
-        row["baselines"] = baselines(cfg, baseline_lr, seconds, run=with_baselines)
+        row["baselines"] = baselines(
+            cfg, baseline_lr, seconds, run=bool(with_baselines), names=with_baselines
+        )
     row["seconds"] = seconds
     row["total_seconds"] = round(sum(seconds.values()), 1)
     row["trainer_tokens_per_s"] = report["trainer_tokens_per_s"]
@@ -316,6 +330,11 @@ def main() -> None:
     )
     ap.add_argument("--faults", action="store_true", help="the demo's faulted condition too")
     ap.add_argument("--no-baselines", action="store_true", help="RL alone, without sft-more and rft")
+    ap.add_argument(
+        "--baselines",
+        default=",".join(BASELINES),
+        help=f"the baselines to run, comma-separated (default: {','.join(BASELINES)})",
+    )
     ap.add_argument("--baseline-lr", type=float, default=1e-4, help="the baselines' constant SFT rate")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a DemoConfig field")
     ap.add_argument(
@@ -332,12 +351,15 @@ def main() -> None:
     if args.start_from and len(args.seeds) != 1:
         raise SystemExit("--start-from gives one SFT model: run one seed (its own)")
     recipe = "quick" if args.quick else args.recipe
+    names = () if args.no_baselines else tuple(filter(None, args.baselines.split(",")))
+    if set(names) - set(BASELINES):
+        raise SystemExit(f"--baselines {args.baselines}: choose among {', '.join(BASELINES)}")
     seeds = []
     for seed in args.seeds:
         cfg = config(seed, args.runs, recipe, args.faults, args.set)
         if args.start_from and not cfg.out.exists():
             start_from(args.start_from, cfg.out)
-        seeds.append(one_seed(cfg, not args.no_baselines, args.baseline_lr))
+        seeds.append(one_seed(cfg, names, args.baseline_lr))
         print(f"seed {seed}: RL - SFT pass@1 {_paired(seeds[-1]['rl_minus_sft']['pass@1'])}", flush=True)
     summary = summarize(seeds)
     cfg = config(args.seeds[0], args.runs, recipe, args.faults, args.set)
@@ -346,7 +368,7 @@ def main() -> None:
         "config": {
             **settings,
             "recipe": recipe,
-            "baselines": not args.no_baselines,
+            "baselines": list(names),
             "baseline_lr": args.baseline_lr,
         },
         "seeds": seeds,
