@@ -1,5 +1,5 @@
 """Settings declared once. A recipe's config is a dataclass; each field carries its default and what
-its command-line option says (`setting`), so the options (cli/config_options.py), their defaults,
+its command-line option says (`setting`), so the options (config_options.py), their defaults,
 the run's saved settings (run.json: `dataclasses.asdict`) and `--set PATH=VALUE` all derive from
 that one declaration. A field whose default is a nested config (TrainOptions.trainer) is walked
 into: its settings are named by dotted paths (`trainer.loss.clip_ratio_low`), as in run.json.

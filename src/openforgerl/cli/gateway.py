@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.config_options import config_options, given_settings
 from openforgerl.cli.options import upstream_options, upstream_specs
+from openforgerl.config_options import config_options, given_settings
 from openforgerl.gateway.config import GatewayConfig
 
 _NOT_OPTIONS = ("upstreams",)  # --upstream, --upstream-key-env, --upstream-timeout

@@ -116,7 +116,7 @@ def _harness_list(ctx: click.Context, param: click.Parameter, value: str | None)
 def rollout_options(skip: Sequence[str] = ()) -> Callable[[Any], Any]:
     """The options of `eval` and `rollout`: EvalOptions' settings (less `skip`), then the upstream
     models' and the sandbox backend's."""
-    from openforgerl.cli.config_options import config_options
+    from openforgerl.config_options import config_options
 
     more: dict[str, dict[str, Any]] = {
         "tasks": {"required": True},
@@ -133,7 +133,7 @@ def rollout_options(skip: Sequence[str] = ()) -> Callable[[Any], Any]:
 
 def eval_options(kw: dict[str, Any], default_out: str, skip: Sequence[str] = ()) -> EvalOptions:
     """The EvalOptions of `eval`'s and `rollout`'s options: the settings given over the defaults."""
-    from openforgerl.cli.config_options import given_settings
+    from openforgerl.config_options import given_settings
     from openforgerl.modelkit import cached_model
 
     given = given_settings(EvalOptions, kw, skip=(*NOT_OPTIONS, *skip))

@@ -1,5 +1,5 @@
 """`openforge sft`: supervised fine-tuning. Its training options are SFTConfig's settings (rl/config.py),
-derived by cli/config_options.py."""
+derived by config_options.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.config_options import apply_settings, config_options, given_settings
 from openforgerl.cli.options import CLI_HARNESSES, backend_choice, one_harness, sandbox_options
+from openforgerl.config_options import apply_settings, config_options, given_settings
 from openforgerl.rl.config import SFTConfig
 from openforgerl.run.folder import RunFolder
 

@@ -1,5 +1,5 @@
 """`openforge train`: RL, embedded or on veRL. Its options are TrainOptions' settings (rl/config.py:
-each declared there once, with its default and help), derived by cli/config_options.py."""
+each declared there once, with its default and help), derived by config_options.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.config_options import apply_settings, config_options, given_settings
 from openforgerl.cli.options import CLI_HARNESSES, backend_choice, one_harness, sandbox_options
+from openforgerl.config_options import apply_settings, config_options, given_settings
 from openforgerl.rl.config import NOT_SET, TrainOptions, set_setting
 from openforgerl.rl.headroom import CHECK_TASKS
 

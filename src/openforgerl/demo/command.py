@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from openforgerl.cli.config_options import config_options, given_settings
+from openforgerl.config_options import config_options, given_settings
 from openforgerl.demo import pipeline
 from openforgerl.demo.config import RECIPES, DemoConfig
 from openforgerl.run.folder import RunFolder

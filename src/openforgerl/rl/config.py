@@ -176,7 +176,7 @@ class TrainerConfig:
 
 @dataclass
 class SFTConfig:
-    """`openforge sft`'s settings: its options derive from these fields (cli/config_options.py)."""
+    """`openforge sft`'s settings: its options derive from these fields (config_options.py)."""
 
     lr: float = setting(
         1e-5, "Peak learning rate (AdamW); a model trained from scratch: 1e-3.", low=0, low_open=True
