@@ -163,6 +163,28 @@ def test_policy_failures_are_scored_by_the_configured_policy(
     assert row["status"] == ("closed" if status == Status.DONE else "failed")
 
 
+@pytest.mark.parametrize(("multiplier", "outcome", "reward"), [(1.0, "timeout", 0.0), (3.0, "ok", 1.0)])
+def test_the_timeout_multiplier_stretches_every_harness_wall_clock(
+    tiny_model_dir: Path, tmp_path: Path, multiplier: float, outcome: str, reward: float
+) -> None:
+    """A harness that needs 3 s of a 2 s task: stopped at 2 s, or finishes and passes at x3 (a
+    loaded machine's rollouts are not scored by its load)."""
+    copy_task = next(t for t in load_tasks("tools-tiny", split="train") if t.metadata["family"] == "copy")
+    task = copy_task.model_copy(update={"timeout": 2.0})
+    harness = shell_harness('sleep 3; for f in *.txt; do cp "$f" answer.txt; done')
+    with running_gateway(tiny_model_dir, tmp_path, ScriptEngine(tiny_model_dir)) as gw:
+        runner = Runner(config(gw, tmp_path, timeout_multiplier=multiplier), LocalBackend(), harness)
+
+        async def go() -> Any:
+            try:
+                return await runner.run([task])
+            finally:
+                await runner.close()
+
+        [r] = asyncio.run(go())
+    assert (r.status, r.outcome, r.reward) == (Status.DONE, outcome, reward)
+
+
 class FlakyBackend(LocalBackend):
     """Fails to start the first sandbox (an infrastructure fault), then works."""
 

@@ -54,6 +54,12 @@ class EvalOptions:
         "Score of a rollout whose harness crashed or timed out.",
         choices=("zero", "drop", "verify"),
     )
+    timeout_multiplier: float = setting(
+        RolloutSettings.timeout_multiplier,
+        "The harness's wall clock is each task's timeout times this (a slow or loaded machine).",
+        low=0,
+        low_open=True,
+    )
     out: Path = setting(Path("runs/eval"), "Run folder (default: runs/eval-TASKS-HARNESS).")
     run_id: str = ""
     progress: bool = setting(True, "A progress bar.")

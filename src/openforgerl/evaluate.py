@@ -76,6 +76,7 @@ def run_rollouts(
         state_path=RunFolder(opts.out).runner_state,
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
+        timeout_multiplier=opts.timeout_multiplier,
         seed=opts.seed,
         network=opts.network,
     )

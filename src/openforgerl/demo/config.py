@@ -121,6 +121,13 @@ class DemoConfig:
     # 16 decodes twice the rows per forward pass, but did not speed the RL loop on 2 cores
     # (benchmarks/README.md, "Runner concurrency on an RL step").
     concurrency: int = setting(8, "Rollouts in flight.", low=1)
+    # 16 SmolLM2 rollouts in flight on 2 cores took a median 99 s of tools-tiny's 120 (issue #33).
+    timeout_multiplier: float = setting(
+        1.0,
+        "Every rollout's wall clock is its task's timeout times this (a slow or loaded machine).",
+        low=0,
+        low_open=True,
+    )
     overlap: bool = setting(False, "RL: rollouts of step t+1 run while step t trains (policy lag <= 1).")
     progress: bool = setting(True, "Progress bars.")
     until: Literal["sft"] | None = setting(
@@ -181,6 +188,7 @@ def rl_options(cfg: DemoConfig, sft_dir: Path, rl_dir: Path, teacher_file: Path)
         max_tokens=cfg.max_tokens,
         max_turns=cfg.max_turns,
         concurrency=cfg.concurrency,
+        timeout_multiplier=cfg.timeout_multiplier,
         temperature=cfg.temperature,
         seed=cfg.seed,
         progress=cfg.progress,

@@ -73,6 +73,7 @@ def evaluate_model(
         max_tokens=cfg.max_tokens,
         max_turns=cfg.max_turns,
         concurrency=cfg.concurrency,
+        timeout_multiplier=cfg.timeout_multiplier,
         progress=cfg.progress,
     )
     return run_eval(opts)

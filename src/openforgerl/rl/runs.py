@@ -66,6 +66,7 @@ def run_tasks(
         concurrency=opts.concurrency,
         on_failure=opts.on_failure,
         exclude_timeouts=training and opts.on_timeout == "exclude",
+        timeout_multiplier=opts.timeout_multiplier,
         sampling=sampling or {},
     )
     return service.run(tasks, n, job, progress=opts.progress, desc=desc, leave=False, cancel=cancel)

@@ -256,7 +256,8 @@ class Runner:
             for path, (content, mode) in fault_files.items():
                 await sandbox.put_file(path, content, mode=mode)
             t1 = time.monotonic()
-            ran = await sandbox.exec(launch.argv, env={**launch.env, **fault_env}, timeout=task.timeout)
+            limit = task.timeout * self.cfg.timeout_multiplier
+            ran = await sandbox.exec(launch.argv, env={**launch.env, **fault_env}, timeout=limit)
             r.seconds["harness"] = time.monotonic() - t1
             if ran.exit_code == launch.infra_exit_code and ran.killed_by is None:
                 tail = (ran.stdout + ran.stderr)[-500:].strip()
@@ -309,6 +310,7 @@ class Runner:
             task,
             limits=cfg.limits,
             network=cfg.network,
+            timeout_multiplier=cfg.timeout_multiplier,
             gateway_url=cfg.gateway_url,
             ro_binds=cfg.ro_binds,
             hidden=cfg.hidden,

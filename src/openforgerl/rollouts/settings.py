@@ -28,6 +28,9 @@ class RolloutSettings:
     # on_failure, unless its task says the limit is part of it (`Task.timeout_is_failure`): RL's
     # choice, so that a loaded machine teaches no penalty.
     exclude_timeouts: bool = False
+    # The harness's wall clock is the task's timeout times this (Harbor's --timeout-multiplier): on
+    # a slow or loaded machine a rollout's time says more about the machine than about the policy.
+    timeout_multiplier: float = 1.0
     sampling: dict[str, Any] = field(default_factory=dict)  # per-rollout sampling overrides
     # Seeded sampling: rollout (task, sample) samples with seeds drawn from (seed, task id, sample),
     # whatever the weights, so an evaluation repeats exactly and two models meet the same random
@@ -47,6 +50,7 @@ def settings_in(config: RolloutSettings) -> dict[str, Any]:
         "infra_retries": config.infra_retries,
         "on_failure": config.on_failure,
         "exclude_timeouts": config.exclude_timeouts,
+        "timeout_multiplier": config.timeout_multiplier,
         "sampling": dict(config.sampling),
         "seed": config.seed,
         "network": config.network,

@@ -54,9 +54,11 @@ def task_spec(
     gateway_url: str | None,
     ro_binds: list[str | tuple[str, str]] | None = None,
     hidden: list[str] | None = None,
+    timeout_multiplier: float = 1.0,
 ) -> SandboxSpec:
     """The sandbox a task asks for: its workspace, work dir and verifier dirs, resources and image.
-    `limits` are the run's, which the task's own resources override."""
+    `limits` are the run's, which the task's own resources override; its wall clock outlasts the
+    harness's (the task's timeout x `timeout_multiplier`) by the set-up's and verifier's margin."""
     res = task.resources
     return SandboxSpec(
         files={} if isinstance(task.files, Path) else dict(task.files),
@@ -67,7 +69,7 @@ def task_spec(
             memory_bytes=int(res.memory) if res.memory else limits.memory_bytes,
             cpus=res.cpus or limits.cpus,
             pids=res.pids or limits.pids,
-            wall_time_s=task.timeout + 300,
+            wall_time_s=task.timeout * timeout_multiplier + 300,
         ),
         network="gateway" if task.offline and network == "host" else network,
         gateway_url=gateway_url,
