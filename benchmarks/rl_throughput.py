@@ -13,8 +13,10 @@ must not share warm caches):
              its MFU against the peak of the precision it computes in (6 x params FLOPs a token)
 - rl         GRPO steps of SmolLM2-135M-Instruct (after SFT) on tools-tiny through `openforge
              train`: today's default path (`baseline`) beside the fastest settings measured
-             (`fast`), same tasks, seed and model; rollouts/hour, the step split into rollout,
-             update and weight push, and the engine/trainer logprob agreement of each path
+             (`fast`) and the same generating on vLLM's CPU build (`vllm`, when `.venv-vllm` is
+             there), same tasks, seed and model; `rl` is the fastest of them; rollouts/hour, the
+             step split into rollout, update and weight push, and the engine/trainer logprob
+             agreement of each path
 
 Without --model the SFT student is made first (96 oracle demonstrations, one epoch, as
 benchmarks/real_model.py does) and kept in --out. Prints one JSON object and writes it to
@@ -30,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -133,15 +137,12 @@ def builtin_engine(model: str, dtype: str, batches: list[int], tokens: int) -> l
     return asyncio.run(go())
 
 
-def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[str, Any]:
-    """The same measurement against vLLM's CPU build, served from `.venv-vllm` on loopback."""
-    import asyncio
+@contextmanager
+def vllm_server(model: str, max_seqs: int, log: str) -> Iterator[tuple[str, float]]:
+    """vLLM's CPU build serving `model` from `.venv-vllm` on loopback (weights reloadable: dev mode,
+    logprobs of logits / T as the trainer's); yields its URL and how long it took to be ready."""
     import signal
     import socket
-
-    from transformers import AutoTokenizer
-
-    from openforgerl.engines.vllm import VLLMEngine
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,13 +153,14 @@ def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[s
         # vLLM keeps one core for its front end unless told: on 2 cores the model would get one.
         # Both go to the model, as the built-in engine has them; the front end shares them.
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc: RL reloads the weights through it
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
     }
     cmd = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-        "--max-num-seqs", str(max(batches)), "--logprobs-mode", "processed_logprobs",
+        "--max-num-seqs", str(max_seqs), "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -169,7 +171,21 @@ def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[s
             if proc.poll() is not None or time.monotonic() - t0 > 600:
                 raise RuntimeError(f"vLLM did not start: {Path(log).read_text()[-2000:]}")
             time.sleep(1)
-        ready_s = time.monotonic() - t0
+        yield url, round(time.monotonic() - t0, 1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[str, Any]:
+    """The same measurement against vLLM's CPU build, served from `.venv-vllm` on loopback."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from openforgerl.engines.vllm import VLLMEngine
+
+    with vllm_server(model, max(batches), log) as (url, ready_s):
         prompt = _prompt(AutoTokenizer.from_pretrained(model))
 
         async def go() -> list[dict[str, Any]]:
@@ -180,10 +196,7 @@ def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[s
             finally:
                 await engine.close()
 
-        return {"ready_s": round(ready_s, 1), "rows": asyncio.run(go())}
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        return {"ready_s": ready_s, "rows": asyncio.run(go())}
 
 
 def _healthy(url: str) -> bool:
@@ -262,6 +275,8 @@ PATHS = {
     "baseline": [],  # today's defaults: 8 rollouts at a time, the trainer in fp32
     # Every rollout of a step at once (bigger decode batches), the trainer under bf16 autocast.
     "fast": ["--concurrency", "16", "--precision", "bf16"],
+    # The same, generating on vLLM's CPU build (a server beside the trainer; weights reloaded each step).
+    "vllm": ["--concurrency", "16", "--precision", "bf16"],
 }
 
 
@@ -271,9 +286,14 @@ def rl_path(model: str, name: str, steps: int, out: str) -> dict[str, Any]:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
            "--steps", str(steps), *RL_COMMON, *PATHS[name]]  # fmt: skip
-    t0 = time.monotonic()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.monotonic() - t0
+    server = vllm_server(model, 16, str(Path(out) / "vllm-rl.log")) if name == "vllm" else nullcontext()
+    with server as up:
+        if up is not None:
+            cmd += ["--engine", f"vllm:{up[0]}"]
+        t0 = time.monotonic()
+        with open(Path(out) / f"rl-{name}.log", "wb") as log:
+            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wall = time.monotonic() - t0
     steps_m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps_m = [m for m in steps_m if m.get("step", 0) >= 1]
     step_s = sum(m["time/step"] for m in steps_m)
@@ -378,13 +398,14 @@ def main(argv: list[str] | None = None) -> None:
         }
     if "rl" not in skip:
         steps = 1 if args.quick else args.rl_steps
-        base = rl_path(model, "baseline", steps, str(args.out.resolve()))
-        fast = rl_path(model, "fast", steps, str(args.out.resolve()))
+        names = [*PATHS] if "vllm" not in skip and VLLM_PYTHON.exists() else ["baseline", "fast"]
+        runs = {name: rl_path(model, name, steps, str(args.out.resolve())) for name in names}
+        base = runs["baseline"]
+        for r in runs.values():
+            r["speedup_vs_baseline"] = round(r["rollouts_per_hour"] / base["rollouts_per_hour"], 2)
+        fastest = max((n for n in runs if n != "baseline"), key=lambda n: runs[n]["rollouts_per_hour"])
         result["baseline"] = {"rl": base}
-        result["rl"] = {
-            **fast,
-            "speedup_vs_baseline": round(fast["rollouts_per_hour"] / base["rollouts_per_hour"], 2),
-        }
+        result["rl"] = {"path": fastest, **runs[fastest], "paths": runs}
     result["load_average"] = os.getloadavg()
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     text = json.dumps(result, indent=2)
