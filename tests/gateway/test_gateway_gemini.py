@@ -500,7 +500,7 @@ def test_errors_in_googles_shape(small: Any) -> None:
         ]
     }
     # This model reads no images: the part is refused before it is decoded, named by its place (an
-    # undecodable image for a vision model: tests/test_gateway_images.py).
+    # undecodable image for a vision model: tests/gateway/test_gateway_images.py).
     err = assert_google_error(httpx.post(url, json=image, headers=headers), 400, "INVALID_ARGUMENT")
     assert "takes no images" in err["message"]
     assert err["details"][0]["fieldViolations"][0]["field"] == "contents.0.parts.1.inlineData.data"

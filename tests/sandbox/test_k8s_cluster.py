@@ -84,7 +84,7 @@ def wait_until(predicate: Any, timeout: float = 120.0, what: str = "") -> None:
 def image() -> str:
     """The task image, made in the kubelet's engine by scripts/k8s_task_image.py: the base image and the
     built-in harnesses' modules."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "k8s_task_image.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "k8s_task_image.py"
     done = subprocess.run(
         [sys.executable, str(script), BASE_IMAGE, IMAGE],
         capture_output=True,
@@ -422,7 +422,7 @@ def rbac(role: str, rules: list[dict[str, Any]]) -> str:
     return role
 
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 
 
 def test_rbac_refusals_name_the_missing_permission(image: str, namespace: str, tmp_path: Path) -> None:

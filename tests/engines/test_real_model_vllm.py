@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct served by the real vLLM CPU server, alone and behind the gateway (markers
-`real_model` and `vllm`; `make test-real-model`, or `pytest -m real_model tests/test_real_model_vllm.py`).
+`real_model` and `vllm`; `make test-real-model`, or
+`pytest -m real_model tests/engines/test_real_model_vllm.py`).
 
 One vLLM server for the module, on the tied checkpoint (`cached_pretrained("smollm2-135m-instruct")`):
 - vLLM's sampled ids and logprobs are a teacher-forced float32 forward's (at the sampling temperature),
@@ -35,8 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from openforgerl.engines.base import GenerateResult, SamplingParams
 from openforgerl.engines.vllm import VLLMEngine
-from tests.gateway_helpers import calls_of, new_rollout, running_gateway
-from tests.test_vllm_engine import (
+from tests.engines.test_vllm_engine import (
     LOGPROB_TOL,
     PUSH_TOL,
     Server,
@@ -46,6 +46,7 @@ from tests.test_vllm_engine import (
     run_engine,
     serve_vllm,
 )
+from tests.gateway_helpers import calls_of, new_rollout, running_gateway
 
 pytestmark = [pytest.mark.real_model, pytest.mark.vllm]
 

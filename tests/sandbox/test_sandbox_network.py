@@ -37,8 +37,8 @@ from tests.gateway_helpers import ScriptEngine, running_gateway
 PYTHON = os.path.realpath(sys.executable)
 PY_BINDS = () if PYTHON.startswith("/usr/") else (os.path.realpath(sys.base_prefix),)
 SMALL = Limits(memory_bytes=512 << 20, cpus=1.0, pids=128, wall_time_s=60)
-WEBVOYAGER = Path(__file__).parent / "fixtures" / "webbench" / "WebVoyager_data.jsonl"
-DEPLOY = Path(__file__).parent.parent / "deploy" / "kubernetes"
+WEBVOYAGER = Path(__file__).parents[1] / "fixtures" / "webbench" / "WebVoyager_data.jsonl"
+DEPLOY = Path(__file__).parents[2] / "deploy" / "kubernetes"
 FETCH = """
 import sys, urllib.request
 for url in sys.argv[1:]:

@@ -55,7 +55,7 @@ from openforgerl.engines.vllm import VLLMEngine
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MAX_MODEL_LEN = 2048
 # vLLM (CPU kernels) against transformers' eager float32 forward, measured max |diff| about 2e-5.
@@ -1023,7 +1023,7 @@ def test_reload_of_a_tied_embedding(
 ) -> None:
     """vLLM 0.32's CPU backend keeps a tied LM head's packed copy over a plain reload_weights; the
     engine reloads a tied checkpoint through a view that names the head's tensor (`tied_head_view`),
-    so the new head is served. The plain reload is pinned in tests/test_real_model_vllm.py."""
+    so the new head is served. The plain reload is pinned in tests/engines/test_real_model_vllm.py."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -1078,7 +1078,8 @@ def test_bad_weights_path_is_refused_before_it_reaches_vllm(vllm_server: Server,
 
 # ---------------------------------------------------------------------------------------------
 # Weight updates in place from the trainer, on a second server: an untied copy of the tiny model
-# (the path without the engine's tied-head view; tests/test_real_model_vllm.py pushes into a tied one).
+# (the path without the engine's tied-head view; tests/engines/test_real_model_vllm.py pushes into a
+# tied one).
 
 # vLLM's float32 CPU kernels against the trainer's float32 forward (measured max |diff| about 2e-5).
 PUSH_TOL = 1e-3

@@ -39,7 +39,7 @@ from openforgerl.tasks.judge import judge, parse_verdict
 from openforgerl.tasks.verify import GatewayAccess, VerifierUnavailable, run_python_verifier
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout, running_gateway
 
-FIXTURES = Path(__file__).parent / "fixtures" / "webbench"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "webbench"
 WEBVOYAGER = FIXTURES / "WebVoyager_data.jsonl"
 MIND2WEB = FIXTURES / "Online_Mind2Web.json"
 JUDGE = "openforgerl.tasks.judge:judge"
@@ -394,10 +394,10 @@ def takes_any_kwargs(workdir: Path, **kwargs: Any) -> dict[str, Any]:
 
 def test_only_verifiers_that_declare_it_get_the_gateway(tmp_path: Path) -> None:
     access = GatewayAccess("http://gw", "secret", "run", "ro_1", "t")
-    asks = PythonVerifier(python="tests.test_webbench:asks_for_the_gateway")
+    asks = PythonVerifier(python="tests.tasks.test_webbench:asks_for_the_gateway")
     assert run_python_verifier(asks, tmp_path, access).details == {"gateway": access}
     assert run_python_verifier(asks, tmp_path).details == {"gateway": None}
-    plain = PythonVerifier(python="tests.test_webbench:takes_any_kwargs", kwargs={"x": 1})
+    plain = PythonVerifier(python="tests.tasks.test_webbench:takes_any_kwargs", kwargs={"x": 1})
     assert run_python_verifier(plain, tmp_path, access).details == {"kwargs": ["x"]}  # no admin token
 
 

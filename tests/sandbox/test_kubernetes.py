@@ -51,7 +51,7 @@ from tests.gateway_helpers import ScriptEngine, running_gateway
 from tests.kube_helpers import word_tasks
 
 K8S_VERSION = "1.33.0"
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 IMAGE = "openforge/task:test"
 NS = "default"
 

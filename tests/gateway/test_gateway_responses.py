@@ -383,7 +383,7 @@ def test_errors_in_the_responses_shape_through_the_sdk(gw: Any, script: Any) -> 
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="m", input=[{"role": "user", "content": [image]}])
     # A text model refuses the part before decoding it, named by its place (an undecodable image for
-    # a vision model: tests/test_gateway_images.py).
+    # a vision model: tests/gateway/test_gateway_images.py).
     assert "takes no images" in info.value.message
     assert info.value.param == "input.0.content.0.image_url"
     with pytest.raises(openai.BadRequestError) as info:

@@ -39,7 +39,7 @@ from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout
 
 RUN = "train-demo"
 STEPS = 12
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
 TOOL_CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 READ_FILE: Any = {
     "type": "function",
@@ -478,7 +478,7 @@ def test_cli_refuses_a_public_address_without_a_token(tmp_path: Path) -> None:
 
 
 def test_vendored_uplot_is_the_recorded_npm_file() -> None:
-    vendor = Path(__file__).resolve().parent.parent / "src/openforgerl/ui/static/vendor"
+    vendor = Path(__file__).resolve().parents[2] / "src/openforgerl/ui/static/vendor"
     readme = (vendor / "README.md").read_text()
     for name in ("uplot/uPlot.esm.js", "uplot/uPlot.min.css"):
         digest = hashlib.sha256((vendor / name).read_bytes()).hexdigest()

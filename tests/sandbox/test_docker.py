@@ -154,12 +154,18 @@ def test_doctor_checks_the_engine(engine: docker.DockerClient) -> None:
 
 def test_the_workspace_arrives_byte_exact_in_a_container(engine: docker.DockerClient, tmp_path: Path) -> None:
     """#26: another encoding, a binary, an executable and links, in /workspace and in a task's /app."""
-    from tests.test_workspace import inside_check, make_workspace, same_tree, task_with, verify_in_sandbox
+    from tests.sandbox.test_workspace import (
+        inside_check,
+        make_workspace,
+        same_tree,
+        task_with,
+        verify_in_sandbox,
+    )
 
     top = make_workspace(tmp_path / "ws")
     expected = tree_digest(top)
     command = CommandVerifier(command=inside_check(top))
-    python = PythonVerifier(python="tests.test_workspace:same_tree", kwargs={"expected": expected})
+    python = PythonVerifier(python="tests.sandbox.test_workspace:same_tree", kwargs={"expected": expected})
     assert same_tree(top, expected)["reward"] == 1.0
     for workdir in (None, "/app"):
         for verifier in (command, python):
@@ -173,7 +179,7 @@ def test_a_harbor_dockerfile_task_checks_in_its_own_image(
 ) -> None:
     """#26: the image is built from environment/Dockerfile (what it put in /app is there), tests go
     to /tests, the reward comes from /logs/verifier; refused on local (test_harbor.py), sound here."""
-    from tests.test_harbor import harbor_task
+    from tests.tasks.test_harbor import harbor_task
 
     root = tmp_path / "set"
     harbor_task(
@@ -218,7 +224,7 @@ def test_a_task_with_its_own_workdir_gets_its_images_files_there() -> None:
 
 # -- #36: image-bound Harbor tasks through tasks check, eval and train on the Docker backend -----------
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "harbor" / "images"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "harbor" / "images"
 TINY = ["--max-turns", "2", "--max-tokens", "12", "--concurrency", "2"]
 
 
@@ -283,7 +289,7 @@ def test_eval_runs_smollm2_inside_a_tasks_image(
 ) -> None:
     """The real pretrained model (`make test-real-model`) on one image-bound task, one sample: its
     tokenizer and template through the gateway, the ReAct harness on the image's python3."""
-    from tests.test_harness_training import _recorded
+    from tests.harnesses.test_harness_training import _recorded
 
     out = tmp_path / "eval"
     args = ["eval", "--tasks", f"harbor:{EXAMPLES}/word-count", "--backend", "docker"]
@@ -316,7 +322,7 @@ def test_one_grpo_step_with_the_model_generating_inside_pi_in_the_tasks_images(
     """`train --backend docker --harness pi`: 2 tasks x 2 rollouts, each pi inside its task's image,
     every turn sampled by the tiny model; the step trains on them and pushes version 1."""
     from openforgerl.harnesses.adapters import get
-    from tests.test_harness_training import _recorded
+    from tests.harnesses.test_harness_training import _recorded
 
     if not get("pi").check().ok:
         pytest.skip(f"pi is not installed: {get('pi').check().missing} (make test-docker installs it)")
@@ -342,7 +348,7 @@ def test_a_bad_image_fails_its_own_task_and_no_other(
     """A Dockerfile that fails to build and a FROM image that is neither present nor pullable (no
     registry here): each task is marked an infrastructure failure naming it and its image, at once
     (no retry makes an image), and the good task runs."""
-    from tests.test_harbor import REWARD_TXT, SOLVE_42, harbor_task
+    from tests.tasks.test_harbor import REWARD_TXT, SOLVE_42, harbor_task
 
     root = tmp_path / "set"
     shutil.copytree(EXAMPLES / "word-count", root / "word-count")
@@ -386,7 +392,7 @@ def _outward_address() -> str:
 def test_allow_internet_false_holds_in_the_tasks_image(base_image: str, tmp_path: Path) -> None:
     """Checked with the host's network allowed: the offline task's container still reaches nothing,
     not even a listener on this host's own address."""
-    from tests.test_harbor import harbor_task
+    from tests.tasks.test_harbor import harbor_task
 
     address = _outward_address()
     listener = socket.create_server(("0.0.0.0", 0))

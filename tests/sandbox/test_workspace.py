@@ -101,7 +101,7 @@ def test_the_workspace_arrives_and_comes_back_byte_exact(local: LocalBackend, tm
     expected = tree_digest(top)
     assert expected["data.csv"].startswith("644 ") and expected["run.sh"].startswith("755 ")
     command = CommandVerifier(command=inside_check(top))
-    python = PythonVerifier(python="tests.test_workspace:same_tree", kwargs={"expected": expected})
+    python = PythonVerifier(python="tests.sandbox.test_workspace:same_tree", kwargs={"expected": expected})
     assert asyncio.run(verify_in_sandbox(local, task_with(top, command))) == 1.0
     assert asyncio.run(verify_in_sandbox(local, task_with(top, python))) == 1.0
 
@@ -111,7 +111,7 @@ def test_the_checks_can_fail(local: LocalBackend, tmp_path: Path) -> None:
     top = make_workspace(tmp_path / "ws")
     command = CommandVerifier(command=inside_check(top))
     expected = tree_digest(top)
-    python = PythonVerifier(python="tests.test_workspace:same_tree", kwargs={"expected": expected})
+    python = PythonVerifier(python="tests.sandbox.test_workspace:same_tree", kwargs={"expected": expected})
     changed = make_workspace(tmp_path / "changed")
     (changed / "data.csv").write_bytes(UTF16[2:])  # the byte-order mark lost, as text handling did
     assert asyncio.run(verify_in_sandbox(local, task_with(changed, command))) == 0.0
