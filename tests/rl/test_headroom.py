@@ -51,7 +51,7 @@ def test_statistics_of_hand_made_runs() -> None:
     assert h.mixed_fraction == 0.5 and h.all_fail_fraction == 0.25 and h.all_pass_fraction == 0.25
     assert h.sampled_nll == pytest.approx(0.5) and h.sampled_tokens == 2 * 16
     assert h.task_pass_rates == {"a": 0.5, "b": 0.0, "c": 1.0, "d": 0.25}
-    assert h.verdict == ["headroom: pass@4 - pass@1 = 0.312; a share 0.50 of tasks give a signal"]
+    assert h.verdict == ["room for RL: pass@4 - pass@1 = 0.312; a share 0.50 of tasks give a signal"]
     # pass@k with more runs than k: the unbiased estimator, as eval_stats computes it.
     h2 = headroom_of(_runs({"a": [1, 0, 0, 0, 0, 0], "b": [1, 1, 0, 0, 0, 0]}), 2)
     assert h2.pass_at_k == pytest.approx((pass_at_k(6, 1, 2) + pass_at_k(6, 2, 2)) / 2)

@@ -200,7 +200,7 @@ def verdict(h: Headroom) -> list[str]:
         )
     if h.has_signal and gap >= SMALL_GAP:
         lines.append(
-            f"headroom: pass@{h.k} - pass@1 = {gap:.3f}; "
+            f"room for RL: pass@{h.k} - pass@1 = {gap:.3f}; "
             f"a share {h.mixed_fraction:.2f} of tasks give a signal"
         )
     return lines
