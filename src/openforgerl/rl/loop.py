@@ -61,8 +61,9 @@ weights are whatever it holds when the loop starts (the model it was started wit
 earlier run left there), so the loop first loads the starting model, or on --resume the last
 checkpoint, into it: the engine starts one version back and that load brings it to the trainer's
 policy version, so recorded versions are right from the first call. vLLM 0.32's CPU backend keeps a
-stale LM head on reload for models with tied embeddings (see engines/vllm.py): train such models
-with the builtin engine there, or untie them.
+stale LM head on reload for models with tied embeddings: for Llama, Mistral and Qwen2/3 checkpoints
+on a server that reads this machine's files the engine reloads through a view that names the head
+(engines/vllm.py `tied_head_view`); train other tied models with the builtin engine, or untie them.
 
 Timeouts: a rollout stopped by the task's wall clock says how loaded the machine was as much as how
 the policy did, so by default (`on_timeout="exclude"`) it is left out of the policy update, and
