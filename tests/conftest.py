@@ -48,7 +48,7 @@ def tiny_vlm_dir() -> Path:
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Debian's Chromium through Playwright (`make test-ui` installs both), one profile per module."""
-    from tests.ui.test_ui import CHROMIUM, CHROMIUM_ARGS
+    from tests.ui_helpers import CHROMIUM, CHROMIUM_ARGS
 
     sync_api = pytest.importorskip("playwright.sync_api")
     if not os.access(CHROMIUM, os.X_OK):

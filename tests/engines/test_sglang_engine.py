@@ -8,18 +8,12 @@ cancellation. They are no evidence about SGLang's own sampling.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
-from starlette.applications import Starlette
 
 from openforgerl.engines import base
 from openforgerl.engines.base import (
@@ -32,76 +26,13 @@ from openforgerl.engines.base import (
     policy_version_end,
 )
 from openforgerl.engines.sglang import SGLangEngine, parse_generate_response
-from openforgerl.testing.fake_sglang import FakeSGLangState, fake_sglang_app
 from openforgerl.testing.scripted_engine import Scripted, ScriptedEngine, ScriptRequest
+from tests.engine_helpers import fake_server, free_port, until
+from tests.engine_helpers import run_sglang as run
 
 pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Served:
-    url: str
-    app: Starlette
-
-    @property
-    def fake(self) -> FakeSGLangState:
-        state: FakeSGLangState = self.app.state.fake
-        return state
-
-
-@contextmanager
-def serve(app: Starlette) -> Iterator[Served]:
-    """Run `app` under uvicorn on a free loopback port in a background thread."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the fake SGLang server did not start"
-        time.sleep(0.01)
-    try:
-        yield Served(f"http://127.0.0.1:{port}", app)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-@contextmanager
-def fake_server(engine: Engine, **kw: Any) -> Iterator[Served]:
-    with serve(fake_sglang_app(engine, **kw)) as s:
-        yield s
-
-
-def run(fn: Callable[[SGLangEngine], Awaitable[T]], url: str, **kw: Any) -> T:
-    """Start an SGLangEngine on `url`, run `fn(engine)`, close it."""
-
-    async def main() -> T:
-        eng = SGLangEngine(url, start_timeout=5.0, **kw)
-        try:
-            await eng.start()
-            return await fn(eng)
-        finally:
-            await eng.close()
-
-    return asyncio.run(main())
-
-
-async def until(predicate: Callable[[], bool], within_s: float = 5.0) -> bool:
-    """Poll `predicate` until it holds or `within_s` passes; whether it held."""
-    for _ in range(int(within_s / 0.01)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 def test_wire_format_and_result_mapping() -> None:

@@ -6,8 +6,7 @@ import asyncio
 import functools
 import json
 import shutil
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from openforgerl.engines.base import (
 )
 from openforgerl.engines.prefix_cache import PrefixCache
 from openforgerl.engines.transformers_engine import TransformersEngine
+from tests.engine_helpers import running
 
 # Recorded logprobs vs a teacher-forced forward over prompt + completion, float32 on CPU.
 # Measured at most 2.4e-6; batched rows differ from solo ones only in summation order.
@@ -67,16 +67,6 @@ def _copy_model(src: Path, out: Path, scale: float = 1.0, eos: list[int] | None 
 def sharp_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clearly different checkpoint: a 3x embedding makes the near-uniform random model peaked."""
     return _copy_model(tiny_model_dir, tmp_path_factory.mktemp("sharp"), scale=3.0)
-
-
-@asynccontextmanager
-async def running(model_dir: Path, **kwargs: Any) -> AsyncIterator[TransformersEngine]:
-    engine = TransformersEngine(model_dir, device="cpu", **kwargs)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.close()
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

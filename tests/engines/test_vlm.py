@@ -26,8 +26,7 @@ from openforgerl.rl.trainer import Policy, Rollout, Trainer, TrainerConfig
 from openforgerl.rollouts.trajectory import RecordedCall, Sample, build_samples
 from openforgerl.testing.scripted_engine import ScriptedEngine
 from openforgerl.vision import image_token_counts, load_processor, unsampleable_token_ids, vision_inputs
-from tests.engines.test_sglang_engine import fake_server, until
-from tests.engines.test_sglang_engine import run as run_sglang
+from tests.engine_helpers import fake_server, run_sglang, until
 from tests.vlm_helpers import screenshot, tiny_vlm
 
 LOGPROB_TOL = 1e-3  # the engine's batched float32 forward against the trainer's, as for text

@@ -26,7 +26,7 @@ from openforgerl.modelkit import (
     init_model,
     init_vision_model,
 )
-from tests.engines.test_transformers_engine import running
+from tests.engine_helpers import running
 
 LONG = 16384
 # Recorded logprobs vs one teacher-forced forward pass over prompt + completion (float32, CPU).

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +25,11 @@ from openforgerl.harnesses.adapters import get
 from openforgerl.rl.loop import TrainOptions, train
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, oracle_samples, write_samples
 from openforgerl.rl.trainer import Policy, TrainerConfig
-from openforgerl.rollouts.trajectory import NO_VERSION, Sample, calls_from_rows
+from openforgerl.rollouts.trajectory import Sample, calls_from_rows
 from openforgerl.sandbox.local import LocalBackend
-from openforgerl.store.sqlite import CallRow, Store
+from tests.harness_helpers import HARNESS_MARKS, recorded_calls, sample_of
 
 pytestmark = pytest.mark.harness
-
-# What each harness's own prompt and tools look like in a recorded sequence.
-HARNESS_MARKS = {
-    "mini-swe-agent": ("Please solve this issue", '"name": "bash"', "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
-    "pi": ("operating inside pi", '"name": "read"', '"name": "write"'),
-}
 
 
 def _ready(name: str) -> None:
@@ -94,7 +87,7 @@ def test_teacher_sft_and_grpo_through_a_real_harness(name: str, tiny_model_dir: 
     [metrics] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics["step"] == 1 and metrics["rollouts"] == 2
 
-    rows = [r for r in _recorded(run / "gateway.db") if r.status == "ok"]
+    rows = [r for r in recorded_calls(run / "gateway.db") if r.status == "ok"]
     assert rows and {r.policy_version for r in rows} == {0} and {r.dialect for r in rows} == {"openai"}
     # Sampled by the model: real logprobs (a scripted policy records 0.0 for every token).
     assert any(lp < -1e-3 for r in rows for lp in r.completion_logprobs)
@@ -115,38 +108,10 @@ def test_teacher_sft_and_grpo_through_a_real_harness(name: str, tiny_model_dir: 
 
     result = asyncio.run(generate())
     policy = Policy(checkpoint, lr=0.0)
-    new = _sample(prompt, list(result.completion_ids), list(result.logprobs))
+    new = sample_of(prompt, list(result.completion_ids), list(result.logprobs))
     assert policy.sample_logprobs([new])[0][len(prompt) :] == pytest.approx(result.logprobs, abs=1e-4)
     before = Policy(tmp_path / "sft", lr=0.0).sample_logprobs([new])[0][len(prompt) :]
     assert max(abs(a - b) for a, b in zip(before, result.logprobs, strict=True)) > 1e-3  # the step moved them
-
-
-def _recorded(db: Path) -> list[CallRow]:
-    """Every call the run's gateway recorded, rollout by rollout, in order."""
-    with sqlite3.connect(db) as conn:
-        ids = [r[0] for r in conn.execute("SELECT DISTINCT rollout_id FROM calls")]
-
-    async def read() -> list[CallRow]:
-        store = Store(db)
-        try:
-            return [row for rid in ids for row in await store.calls(rid)]
-        finally:
-            await store.close()
-
-    return asyncio.run(read())
-
-
-def _sample(prompt: list[int], completion: list[int], logprobs: list[float]) -> Sample:
-    return Sample(
-        rollout_id="r",
-        reward=0.0,
-        branch_id=0,
-        branch_reason="",
-        input_ids=prompt + completion,
-        loss_mask=[0] * len(prompt) + [1] * len(completion),
-        logprobs=[0.0] * len(prompt) + logprobs,
-        policy_versions=[NO_VERSION] * len(prompt) + [0] * len(completion),
-    )
 
 
 def test_the_harness_study_puts_one_checkpoint_under_three_harnesses_side_by_side(
@@ -239,7 +204,7 @@ def test_a_long_context_student_generates_inside_a_cli_with_a_15k_token_prompt(
     assert report["rollouts"] == 1 and report["harness_versions"] == {
         name: get(name).version and f"{name} {get(name).version}"
     }
-    rows = [r for r in _recorded(tmp_path / "gateway.db") if r.status == "ok"]
+    rows = [r for r in recorded_calls(tmp_path / "gateway.db") if r.status == "ok"]
     assert rows, "the gateway answered the CLI's calls (none refused as too long)"
     assert max(r.prompt_tokens for r in rows) > 10_000
     assert any(lp < -1e-3 for r in rows for lp in r.completion_logprobs)  # sampled by the model

@@ -40,7 +40,7 @@ from openforgerl.rollouts.results import RolloutResult, RunState, Status
 from openforgerl.rollouts.trajectory import build_samples, calls_from_rows
 from openforgerl.sandbox.local import LocalBackend
 from openforgerl.store.sqlite import CallRow, RolloutRow, Store
-from tests.harnesses.test_harness_training import HARNESS_MARKS
+from tests.harness_helpers import HARNESS_MARKS
 
 pytestmark = pytest.mark.real_model
 

@@ -19,7 +19,7 @@ from openforgerl.rl.loop import TrainOptions, train
 from openforgerl.rl.sft import SFTConfig, SFTTrainer, oracle_samples, write_samples
 from openforgerl.rl.trainer import Policy, TrainerConfig, Tuning
 from openforgerl.rollouts.trajectory import Sample, calls_from_rows
-from tests.harnesses.test_harness_training import _recorded, _sample
+from tests.harness_helpers import recorded_calls, sample_of
 
 pytestmark = pytest.mark.real_model
 
@@ -90,7 +90,7 @@ def test_a_grpo_step_with_the_model_generating_and_the_engine_serving_the_traine
     assert done["steps"] == 1 and done["policy_version"] == 1
     [metrics] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics["rollouts"] == 2
-    rows = [r for r in _recorded(run / "gateway.db") if r.status == "ok"]
+    rows = [r for r in recorded_calls(run / "gateway.db") if r.status == "ok"]
     assert rows and {r.policy_version for r in rows} == {0}
     assert any(lp < -1e-3 for r in rows for lp in r.completion_logprobs)  # sampled by the model
 
@@ -106,7 +106,7 @@ def test_a_grpo_step_with_the_model_generating_and_the_engine_serving_the_traine
             await engine.close()
 
     result = asyncio.run(generate())
-    new = _sample(prompt, list(result.completion_ids), list(result.logprobs))
+    new = sample_of(prompt, list(result.completion_ids), list(result.logprobs))
     trained = Policy(checkpoint, lr=0.0).sample_logprobs([new])[0][len(prompt) :]
     worst = max(abs(a - b) for a, b in zip(trained, result.logprobs, strict=True))
     print(

@@ -154,7 +154,7 @@ def test_doctor_checks_the_engine(engine: docker.DockerClient) -> None:
 
 def test_the_workspace_arrives_byte_exact_in_a_container(engine: docker.DockerClient, tmp_path: Path) -> None:
     """#26: another encoding, a binary, an executable and links, in /workspace and in a task's /app."""
-    from tests.sandbox.test_workspace import (
+    from tests.workspace_helpers import (
         inside_check,
         make_workspace,
         same_tree,
@@ -165,7 +165,7 @@ def test_the_workspace_arrives_byte_exact_in_a_container(engine: docker.DockerCl
     top = make_workspace(tmp_path / "ws")
     expected = tree_digest(top)
     command = CommandVerifier(command=inside_check(top))
-    python = PythonVerifier(python="tests.sandbox.test_workspace:same_tree", kwargs={"expected": expected})
+    python = PythonVerifier(python="tests.workspace_helpers:same_tree", kwargs={"expected": expected})
     assert same_tree(top, expected)["reward"] == 1.0
     for workdir in (None, "/app"):
         for verifier in (command, python):
@@ -179,7 +179,7 @@ def test_a_harbor_dockerfile_task_checks_in_its_own_image(
 ) -> None:
     """#26: the image is built from environment/Dockerfile (what it put in /app is there), tests go
     to /tests, the reward comes from /logs/verifier; refused on local (test_harbor.py), sound here."""
-    from tests.tasks.test_harbor import harbor_task
+    from tests.harbor_helpers import harbor_task
 
     root = tmp_path / "set"
     harbor_task(
@@ -289,7 +289,7 @@ def test_eval_runs_smollm2_inside_a_tasks_image(
 ) -> None:
     """The real pretrained model (`make test-real-model`) on one image-bound task, one sample: its
     tokenizer and template through the gateway, the ReAct harness on the image's python3."""
-    from tests.harnesses.test_harness_training import _recorded
+    from tests.harness_helpers import recorded_calls
 
     out = tmp_path / "eval"
     args = ["eval", "--tasks", f"harbor:{EXAMPLES}/word-count", "--backend", "docker"]
@@ -298,7 +298,7 @@ def test_eval_runs_smollm2_inside_a_tasks_image(
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     assert (report["status"], report["outcomes"]) == ({"done": 1}, {"ok": 1}), report
-    calls = [r for r in _recorded(out / "gateway.db") if r.status == "ok"]
+    calls = [r for r in recorded_calls(out / "gateway.db") if r.status == "ok"]
     assert calls and all(r.completion_ids for r in calls)
     assert any(lp < -1e-3 for r in calls for lp in r.completion_logprobs)  # sampled by the model
     assert not ours(engine, out.name)
@@ -322,7 +322,7 @@ def test_one_grpo_step_with_the_model_generating_inside_pi_in_the_tasks_images(
     """`train --backend docker --harness pi`: 2 tasks x 2 rollouts, each pi inside its task's image,
     every turn sampled by the tiny model; the step trains on them and pushes version 1."""
     from openforgerl.harnesses.adapters import get
-    from tests.harnesses.test_harness_training import _recorded
+    from tests.harness_helpers import recorded_calls
 
     if not get("pi").check().ok:
         pytest.skip(f"pi is not installed: {get('pi').check().missing} (make test-docker installs it)")
@@ -335,7 +335,7 @@ def test_one_grpo_step_with_the_model_generating_inside_pi_in_the_tasks_images(
     [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert (row["step"], row["updated"], row["outcomes"]) == (1, True, {"ok": 4}), row
     assert row["rollout_tokens"] > 0 and "loss" in row, row
-    calls = [r for r in _recorded(run / "gateway.db") if r.status == "ok"]
+    calls = [r for r in recorded_calls(run / "gateway.db") if r.status == "ok"]
     assert len({r.rollout_id for r in calls}) == 4 and {r.policy_version for r in calls} == {0}
     assert any(lp < -1e-3 for r in calls for lp in r.completion_logprobs)  # sampled by the model
     assert any("operating inside pi" in json.dumps(r.messages_delta) for r in calls)  # pi's own prompt
@@ -348,7 +348,7 @@ def test_a_bad_image_fails_its_own_task_and_no_other(
     """A Dockerfile that fails to build and a FROM image that is neither present nor pullable (no
     registry here): each task is marked an infrastructure failure naming it and its image, at once
     (no retry makes an image), and the good task runs."""
-    from tests.tasks.test_harbor import REWARD_TXT, SOLVE_42, harbor_task
+    from tests.harbor_helpers import REWARD_TXT, SOLVE_42, harbor_task
 
     root = tmp_path / "set"
     shutil.copytree(EXAMPLES / "word-count", root / "word-count")
@@ -392,7 +392,7 @@ def _outward_address() -> str:
 def test_allow_internet_false_holds_in_the_tasks_image(base_image: str, tmp_path: Path) -> None:
     """Checked with the host's network allowed: the offline task's container still reaches nothing,
     not even a listener on this host's own address."""
-    from tests.tasks.test_harbor import harbor_task
+    from tests.harbor_helpers import harbor_task
 
     address = _outward_address()
     listener = socket.create_server(("0.0.0.0", 0))

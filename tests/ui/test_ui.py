@@ -13,7 +13,6 @@ import hashlib
 import json
 import random
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from click.testing import CliRunner
 from openai import OpenAI
 from starlette.testclient import TestClient
@@ -33,13 +31,13 @@ from openforgerl.rollouts.results import RolloutResult, RunState, Status
 from openforgerl.rollouts.trajectory import calls_from_json
 from openforgerl.store.sqlite import SCHEMA, ids_to_blob
 from openforgerl.store.view import SORTS, VIEWER_INDEXES, Filters, StoreView, page_query
-from openforgerl.testing.gateway import free_port, gateway_thread
+from openforgerl.testing.gateway import gateway_thread
 from openforgerl.ui import ViewerConfig, build_app
 from tests.gateway_helpers import ScriptEngine, calls_of, new_rollout
+from tests.ui_helpers import serve_viewer, shot
 
 RUN = "train-demo"
 STEPS = 12
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
 TOOL_CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 READ_FILE: Any = {
     "type": "function",
@@ -571,44 +569,10 @@ def test_the_api_pages_through_100k_rollouts(big_store: Path) -> None:
 
 
 # -- the browser ---------------------------------------------------------------------------------
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@contextlib.contextmanager
-def serve_viewer(config: ViewerConfig) -> Iterator[str]:
-    """The viewer on a free loopback port in a thread, for the browser tests."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(config), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the viewer did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def viewer_url(run_dir: tuple[Path, dict[str, str]]) -> Iterator[str]:
     with serve_viewer(ViewerConfig(runs=run_dir[0], poll_seconds=0.5)) as url:
         yield url
-
-
-def shot(page: Any, name: str, **kw: Any) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), **kw)
 
 
 def _painted(page: Any, selector: str) -> int:

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from openforgerl import demo
 from openforgerl.eval_stats import paired_difference
 from openforgerl.ui import ViewerConfig, build_app
-from tests.ui.test_ui import serve_viewer, shot
+from tests.ui_helpers import serve_viewer, shot
 
 pytestmark = [pytest.mark.ui, pytest.mark.timeout(900)]
 

@@ -28,7 +28,7 @@ from openforgerl.images import Image, image_from_bytes
 from openforgerl.store import CallRow, RolloutRow, Store
 from openforgerl.store.sqlite import SCHEMA
 from openforgerl.ui import ViewerConfig, build_app
-from tests.ui.test_ui import serve_viewer, shot
+from tests.ui_helpers import serve_viewer, shot
 
 RUN = "gui-run"
 RED, BLUE = (220, 40, 40), (40, 80, 220)
