@@ -51,13 +51,13 @@ def _type(s: Setting) -> click.ParamType:
 
 
 def _help(s: Setting, more: str = "") -> str:
-    default = s.default
+    default, said = s.default, s.meta("help", "")
     shown = (
-        ""
-        if default is None or default is MISSING or default == ""
+        ""  # a help that says its own default (one the command computes) keeps it
+        if default is None or default is MISSING or default == "" or "default:" in said
         else f"  [default: {'/'.join(map(str, default)) if isinstance(default, tuple) else default}]"
     )
-    return f"{s.meta('help', '')}{more}{shown}".strip()
+    return f"{said}{more}{shown}".strip()
 
 
 def option_of(s: Setting, **more: Any) -> Callable[[Any], Any]:
