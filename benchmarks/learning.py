@@ -57,18 +57,17 @@ def mean_ci(values: list[float]) -> dict[str, float]:
 
 def config(seed: int, root: Path, recipe: str | None, faults: bool, sets: list[str]) -> demo.DemoConfig:
     """The demo's settings for one seed: the defaults, `recipe`'s (demo.RECIPES), then each --set."""
-    cfg = demo.DemoConfig(out=root / f"seed-{seed}", seed=seed, progress=False, faults=faults)
-    cfg = dataclasses.replace(cfg, **demo.RECIPES.get(recipe or "", {}))  # type: ignore[arg-type]
     fields = {s.key: s for s in settings_of(demo.DemoConfig)}
+    given: dict[str, Any] = {"out": root / f"seed-{seed}", "seed": seed, "progress": False, "faults": faults}
     for item in sets:
         key, _, value = item.partition("=")
         if key not in fields or key in {"out", "seed"}:
             raise SystemExit(f"--set {item}: not a DemoConfig setting ({', '.join(sorted(fields))})")
         try:
-            cfg = dataclasses.replace(cfg, **{key: read(fields[key].kind, value, key)})
+            given[key] = read(fields[key].kind, value, key)
         except ValueError as exc:
             raise SystemExit(f"--set {item}: {exc}") from exc
-    return cfg
+    return demo.demo_config(recipe, given)
 
 
 def _pass1(report: dict[str, Any], greedy: bool = False) -> float | None:
@@ -100,12 +99,10 @@ def baselines(
     cfg: demo.DemoConfig,
     lr: float,
     seconds: dict[str, float],
-    run: bool = True,
     names: tuple[str, ...] = BASELINES,
 ) -> dict[str, Any]:
     """The baselines `names` (sft-more, rft) from the seed's SFT model, evaluated like the demo's
-    models; with `run` False, or for the others, only what an earlier run of them left in the run
-    folder."""
+    models; for the others, only what an earlier run of them left in the run folder."""
     from openforgerl.rl.baselines import continue_sft, matched_sft_steps, rl_trained_tokens
     from openforgerl.rl.sft import load_sft_data
 
@@ -115,7 +112,7 @@ def baselines(
     data: dict[str, list[Any]] = {"sft-more": teacher}
     rft_summary = out / "baselines" / "rft-data" / "summary.json"
     ran = [n for n in BASELINES if (out / "baselines" / n / "baseline_summary.json").exists()]
-    if not run and not ran:
+    if not names and not ran:
         return {"rl_trained_tokens": tokens, "not run": list(BASELINES)}
     # Each phase's wall time is kept beside its output, so a rerun that skips the phase reports it.
     timings_file = out / "baselines" / "timings.json"
@@ -127,7 +124,7 @@ def baselines(
         timings_file.write_text(json.dumps(timed, indent=2))
 
     result: dict[str, Any] = {"rl_trained_tokens": tokens}
-    if (run and "rft" in names) or rft_summary.exists():
+    if "rft" in names or rft_summary.exists():
         fresh, t0 = not rft_summary.exists(), time.monotonic()
         rft = _rft_data(cfg, sft_dir, out)
         if fresh:
@@ -137,7 +134,7 @@ def baselines(
     for name in BASELINES:
         model = out / "baselines" / name
         summary_file = model / "baseline_summary.json"
-        if not (run and name in names) and not summary_file.exists():
+        if name not in names and not summary_file.exists():
             continue
         if not summary_file.exists():
             if not data.get(name):  # RFT kept nothing: the SFT model is its own result
@@ -230,9 +227,7 @@ def one_seed(cfg: demo.DemoConfig, with_baselines: tuple[str, ...], baseline_lr:
         "rl_steps": report["rl_steps"],
     }
     if with_baselines or (cfg.out / "baselines").is_dir():  # without them, what an earlier run measured
-        row["baselines"] = baselines(
-            cfg, baseline_lr, seconds, run=bool(with_baselines), names=with_baselines
-        )
+        row["baselines"] = baselines(cfg, baseline_lr, seconds, names=with_baselines)
     row["seconds"] = seconds
     row["total_seconds"] = round(sum(seconds.values()), 1)
     row["trainer_tokens_per_s"] = report["trainer_tokens_per_s"]

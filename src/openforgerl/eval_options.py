@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from openforgerl.rollouts.settings import OnFailure, RolloutSettings, RunNetwork
+from openforgerl.rollouts.settings import OnFailure, RolloutSettings, RunNetwork, timeout_multiplier_setting
 from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.settings import setting
 
@@ -54,12 +54,7 @@ class EvalOptions:
         "Score of a rollout whose harness crashed or timed out.",
         choices=("zero", "drop", "verify"),
     )
-    timeout_multiplier: float = setting(
-        RolloutSettings.timeout_multiplier,
-        "The harness's wall clock is each task's timeout times this (a slow or loaded machine).",
-        low=0,
-        low_open=True,
-    )
+    timeout_multiplier: float = timeout_multiplier_setting()
     out: Path = setting(Path("runs/eval"), "Run folder (default: runs/eval-TASKS-HARNESS).")
     run_id: str = ""
     progress: bool = setting(True, "A progress bar.")

@@ -7,6 +7,7 @@
 - `command.py`: the command line
 """
 
+from openforgerl.demo.command import demo_config as demo_config
 from openforgerl.demo.command import main as main
 from openforgerl.demo.command import viewer_line as viewer_line
 from openforgerl.demo.config import FAULTS_SUITE as FAULTS_SUITE

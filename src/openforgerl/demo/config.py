@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from openforgerl.rollouts.settings import timeout_multiplier_setting
 from openforgerl.settings import setting
 
 if TYPE_CHECKING:
@@ -122,12 +123,7 @@ class DemoConfig:
     # (benchmarks/README.md, "Runner concurrency on an RL step").
     concurrency: int = setting(8, "Rollouts in flight.", low=1)
     # 16 SmolLM2 rollouts in flight on 2 cores took a median 99 s of tools-tiny's 120 (issue #33).
-    timeout_multiplier: float = setting(
-        1.0,
-        "Every rollout's wall clock is its task's timeout times this (a slow or loaded machine).",
-        low=0,
-        low_open=True,
-    )
+    timeout_multiplier: float = timeout_multiplier_setting()
     overlap: bool = setting(False, "RL: rollouts of step t+1 run while step t trains (policy lag <= 1).")
     progress: bool = setting(True, "Progress bars.")
     until: Literal["sft"] | None = setting(

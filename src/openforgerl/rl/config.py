@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from openforgerl.rollouts.settings import timeout_multiplier_setting
 from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.settings import read, setting, settings_of
 
@@ -260,12 +261,7 @@ class TrainOptions:
         "with `timeout_is_failure: true` is always a failure. Held-out evaluations score it 0.",
         choices=("exclude", "zero"),
     )
-    timeout_multiplier: float = setting(
-        1.0,
-        "The harness's wall clock is each task's timeout times this (a slow or loaded machine).",
-        low=0,
-        low_open=True,
-    )
+    timeout_multiplier: float = timeout_multiplier_setting()
     seed: int = setting(0, "The run's seed: the tasks each step draws, the trainer's.")
     eval_every: int = setting(0, "Held-out pass@1 every N steps (greedy, one run per task; 0: never).", low=0)
     eval_split: str = setting("heldout", "The held-out evaluation's split.")

@@ -1,7 +1,8 @@
 """What a run of rollouts is asked to do, declared once (RolloutSettings): the runner's config
 (runner.py RunnerConfig) and the service's job (service.py RolloutJob) are both made of it, and
-the recipes' configs (EvalOptions, TrainOptions) read its defaults. A light module: no imports of
-the package."""
+the recipes' configs (EvalOptions, TrainOptions, DemoConfig) read its defaults and its one shared
+setting (`timeout_multiplier_setting`). A light module: it imports nothing of the package but the
+leaf `settings`, and that only when a config is declared."""
 
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ class RolloutSettings:
     # Every sandbox's network: "gateway" (only the gateway) or "host" (also the live web; needed by
     # tasks with harness_options.start_url).
     network: RunNetwork = "gateway"
+
+
+def timeout_multiplier_setting() -> Any:
+    """The `timeout_multiplier` setting of the recipes' configs (eval, train, the demo), declared once."""
+    from openforgerl.settings import setting
+
+    return setting(
+        RolloutSettings.timeout_multiplier,
+        "The harness's wall clock is each task's timeout times this (a slow or loaded machine).",
+        low=0,
+        low_open=True,
+    )
 
 
 def settings_in(config: RolloutSettings) -> dict[str, Any]:
