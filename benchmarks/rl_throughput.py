@@ -5,7 +5,9 @@
 What it measures, each in a fresh process (OpenMP settings are read when torch loads; the runs
 must not share warm caches):
 - peak       a large torch matmul, fp32 and bf16 GFLOPS on the engine's thread count: the
-             denominator of every MFU below
+             denominator of every MFU below. bf16 only where the CPU multiplies it in hardware
+             (AVX512_BF16, AMX, Arm BF16; `native_bf16` in the JSON): elsewhere torch emulates it,
+             hundreds of times slower, and every bf16 figure below is left out
 - engine     decode tokens/s of the built-in engine at batch 1, 8, 16, 32 (fp32 and bf16), and of
              vLLM's CPU build (`.venv-vllm`, from `make test-vllm`) when it is there; decode alone:
              the time of a max_tokens=1 batch (the prefill) is taken off
@@ -54,13 +56,22 @@ def _in_fresh_process(fn: str, *args: Any) -> Any:
 # -- peak --------------------------------------------------------------------------------------
 
 
-def peak(n: int) -> dict[str, float]:
-    """GFLOPS of an n x n matmul, the median of 5, in fp32 and bf16."""
+def native_bf16() -> bool:
+    """Whether this CPU has a bf16 matmul in hardware; without one torch emulates bf16 (a 2048^2
+    matmul took 67 s against 0.14 s in fp32 on an AVX2 EPYC), so nothing here measures bf16."""
+    from openforgerl.rl.policy import cpu_has_native_bf16
+
+    return cpu_has_native_bf16()
+
+
+def peak(n: int, precisions: list[str]) -> dict[str, float]:
+    """GFLOPS of an n x n matmul, the median of 5, in each of `precisions` (fp32, bf16)."""
     import torch
 
     torch.set_num_threads(THREADS)
     out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name in precisions:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         for _ in range(2):
             a @ b
@@ -273,19 +284,22 @@ RL_COMMON = [
 ]  # fmt: skip
 PATHS = {
     "baseline": [],  # today's defaults: 8 rollouts at a time, the trainer in fp32
-    # Every rollout of a step at once (bigger decode batches), the trainer under bf16 autocast.
+    # Every rollout of a step at once (bigger decode batches), the trainer under bf16 autocast where
+    # the CPU has a bf16 matmul (rl_path drops it where it has not).
     "fast": ["--concurrency", "16", "--precision", "bf16"],
     # The same, generating on vLLM's CPU build (a server beside the trainer; weights reloaded each step).
     "vllm": ["--concurrency", "16", "--precision", "bf16"],
 }
 
 
-def rl_path(model: str, name: str, steps: int, out: str) -> dict[str, Any]:
+def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> dict[str, Any]:
     run = Path(out) / f"rl-{name}"
     subprocess.run(["rm", "-rf", str(run)], check=True)
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
            "--steps", str(steps), *RL_COMMON, *PATHS[name]]  # fmt: skip
+    if not bf16 and "bf16" in cmd:
+        cmd[cmd.index("bf16")] = "fp32"
     server = vllm_server(model, 16, str(Path(out) / "vllm-rl.log")) if name == "vllm" else nullcontext()
     with server as up:
         if up is not None:
@@ -347,7 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     batches = [1, 8, 16] if args.quick else [1, 8, 16, 32]
     tokens = 32 if args.quick else 64
     result: dict[str, Any] = {"model": model, "quick": args.quick, "threads": THREADS, "cpus": os.cpu_count()}
-    result["peak_gflops"] = _in_fresh_process("peak", 2048)
+    bf16 = _in_fresh_process("native_bf16")
+    precisions = ["fp32", "bf16"] if bf16 else ["fp32"]
+    result["native_bf16"] = bf16  # without it bf16 is emulated and left out below
+    result["peak_gflops"] = _in_fresh_process("peak", 2048, precisions)
     gflop_per_token = 2 * SMOLLM2_PARAMS / 1e9
 
     def with_mfu(rows: list[dict[str, Any]], precision: str) -> list[dict[str, Any]]:
@@ -360,10 +377,11 @@ def main(argv: list[str] | None = None) -> None:
             "builtin_fp32": with_mfu(
                 _in_fresh_process("builtin_engine", model, "float32", batches, tokens), "fp32"
             ),
-            "builtin_bf16": with_mfu(
-                _in_fresh_process("builtin_engine", model, "bfloat16", batches, tokens), "bf16"
-            ),
         }
+        if bf16:
+            engines["builtin_bf16"] = with_mfu(
+                _in_fresh_process("builtin_engine", model, "bfloat16", batches, tokens), "bf16"
+            )
         notes = {}
         if "vllm" in skip:
             notes["vllm_cpu_fp32"] = "left out (--skip vllm)"
@@ -386,20 +404,18 @@ def main(argv: list[str] | None = None) -> None:
         }
     if "trainer" not in skip:
         rows, length, repeats = (4, 512, 2) if args.quick else (8, 512, 3)
-        trainer = {
-            p: _in_fresh_process("trainer_speed", model, p, rows, length, repeats) for p in ("fp32", "bf16")
-        }
+        trainer = {p: _in_fresh_process("trainer_speed", model, p, rows, length, repeats) for p in precisions}
         for p, t in trainer.items():
             t["mfu"] = round(t["tokens_per_s"] * 3 * gflop_per_token / result["peak_gflops"][p], 3)
-        result["trainer"] = {
-            **trainer,
-            "mfu": trainer["bf16"]["mfu"],
-            "bf16_speedup": round(trainer["bf16"]["tokens_per_s"] / trainer["fp32"]["tokens_per_s"], 2),
-        }
+        result["trainer"] = {**trainer, "mfu": trainer[precisions[-1]]["mfu"]}
+        if bf16:
+            result["trainer"]["bf16_speedup"] = round(
+                trainer["bf16"]["tokens_per_s"] / trainer["fp32"]["tokens_per_s"], 2
+            )
     if "rl" not in skip:
         steps = 1 if args.quick else args.rl_steps
         names = [*PATHS] if "vllm" not in skip and VLLM_PYTHON.exists() else ["baseline", "fast"]
-        runs = {name: rl_path(model, name, steps, str(args.out.resolve())) for name in names}
+        runs = {name: rl_path(model, name, steps, str(args.out.resolve()), bf16) for name in names}
         base = runs["baseline"]
         for r in runs.values():
             r["speedup_vs_baseline"] = round(r["rollouts_per_hour"] / base["rollouts_per_hour"], 2)

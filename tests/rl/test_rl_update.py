@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,7 @@ def test_one_step_moves_each_rollout_the_way_its_advantage_says(tiny_model_dir: 
     assert m["update/logp_change_neg"] < 0 and m["time/measure_update"] >= 0
 
 
+@pytest.mark.filterwarnings("ignore:precision bf16")  # emulated where the CPU lacks bf16 (the next test)
 def test_bf16_autocast_on_the_cpu_keeps_the_update_right_and_the_weights_fp32(
     tiny_model_dir: Path, sampled: Any
 ) -> None:
@@ -174,6 +176,21 @@ def test_bf16_autocast_on_the_cpu_keeps_the_update_right_and_the_weights_fp32(
     assert 0.8 < m["is_weight_min"] and m["is_weight_max"] < 1.25
     trainer = Trainer(tiny_model_dir, TrainerConfig(lr=LR, precision="bf16"), group_size=len(REWARDS))
     assert {p.dtype for p in trainer.policy.model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_a_bf16_matmul_is_said_to_be_emulated(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """A CPU without AVX512_BF16, AMX or Arm BF16 emulates bf16 hundreds of times slower than fp32:
+    asking for it there warns, and only there."""
+    monkeypatch.setattr(policy_module, "cpu_has_native_bf16", lambda: native)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        Trainer(tiny_model_dir, TrainerConfig(lr=LR, precision="bf16"), group_size=len(REWARDS))
+        Trainer(tiny_model_dir, TrainerConfig(lr=LR), group_size=len(REWARDS))
+    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == (0 if native else 1) and all("emulated" in m for m in said)
 
 
 @pytest.mark.parametrize("sabotage", [negated_advantages, mask_one_position_off])
