@@ -296,10 +296,9 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
     run = Path(out) / f"rl-{name}"
     subprocess.run(["rm", "-rf", str(run)], check=True)
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    settings = [a if bf16 or a != "bf16" else "fp32" for a in PATHS[name]]
     cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
-           "--steps", str(steps), *RL_COMMON, *PATHS[name]]  # fmt: skip
-    if not bf16 and "bf16" in cmd:
-        cmd[cmd.index("bf16")] = "fp32"
+           "--steps", str(steps), *RL_COMMON, *settings]  # fmt: skip
     server = vllm_server(model, 16, str(Path(out) / "vllm-rl.log")) if name == "vllm" else nullcontext()
     with server as up:
         if up is not None:
@@ -318,7 +317,7 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
 
     agreement = [m for m in steps_m if "rollout_corr/log_ppl_abs_diff" in m]
     return {
-        "settings": PATHS[name],
+        "settings": settings,
         "steps": len(steps_m),
         "rollouts": rollouts,
         "rollouts_per_hour": round(rollouts * 3600 / step_s, 1),
