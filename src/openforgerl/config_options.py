@@ -51,10 +51,10 @@ def _type(s: Setting) -> click.ParamType:
 
 
 def _help(s: Setting, more: str = "") -> str:
-    default, said = s.default, s.meta("help", "")
+    default, said = s.meta("shown_default") or s.default, s.meta("help", "")
     shown = (
-        ""  # a help that says its own default (one the command computes) keeps it
-        if default is None or default is MISSING or default == "" or "default:" in said
+        ""
+        if default is None or default is MISSING or default == ""
         else f"  [default: {'/'.join(map(str, default)) if isinstance(default, tuple) else default}]"
     )
     return f"{said}{more}{shown}".strip()

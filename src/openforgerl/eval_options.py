@@ -55,7 +55,7 @@ class EvalOptions:
         choices=("zero", "drop", "verify"),
     )
     timeout_multiplier: float = timeout_multiplier_setting()
-    out: Path = setting(Path("runs/eval"), "Run folder (default: runs/eval-TASKS-HARNESS).")
+    out: Path = setting(Path("runs/eval"), "Run folder.", shown_default="runs/eval-TASKS-HARNESS")
     run_id: str = ""
     progress: bool = setting(True, "A progress bar.")
     network: RunNetwork = setting(

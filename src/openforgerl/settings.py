@@ -27,16 +27,19 @@ def setting(
     high: float | None = None,
     low_open: bool = False,
     path: bool = False,
+    shown_default: str | None = None,
 ) -> Any:
     """A config field with its option: `help`; `option` where its name is not the field's
     (`--algo` for `estimator`; a bool's "--on/--off"); `choices` for a string; `low`/`high` bounds
-    for a number (`low_open`: above low); `path`: a file that must exist, saved absolute."""
+    for a number (`low_open`: above low); `path`: a file that must exist, saved absolute;
+    `shown_default`: the default the option's help shows where the command computes its own."""
     meta = {
         "help": help,
         "option": option,
         "choices": choices,
         "range": (low, high, low_open),
         "path": path,
+        "shown_default": shown_default,
     }
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)

@@ -104,6 +104,15 @@ def test_each_setting_is_declared_once_with_its_help() -> None:
     assert "[default: 1.0]" in (by_param["temperature"].help or "")
 
 
+def test_an_option_whose_default_the_command_computes_shows_that_default() -> None:
+    """eval's run folder defaults to runs/eval-TASKS-HARNESS, made from the options given: its help
+    says so, not the field's placeholder."""
+    from openforgerl.cli.eval import eval_cmd
+
+    out = next(p for p in eval_cmd.params if p.name == "out")
+    assert (out.help or "").endswith("[default: runs/eval-TASKS-HARNESS]") and "runs/eval]" not in (out.help or "")
+
+
 def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
