@@ -110,7 +110,8 @@ def test_an_option_whose_default_the_command_computes_shows_that_default() -> No
     from openforgerl.cli.eval import eval_cmd
 
     out = next(p for p in eval_cmd.params if p.name == "out")
-    assert (out.help or "").endswith("[default: runs/eval-TASKS-HARNESS]") and "runs/eval]" not in (out.help or "")
+    help_text = out.help or ""
+    assert help_text.endswith("[default: runs/eval-TASKS-HARNESS]") and "runs/eval]" not in help_text
 
 
 def test_train_temperature_is_one_setting_on_the_command_line_and_in_run_json(
