@@ -8,15 +8,16 @@ must not share warm caches):
              denominator of every MFU below. bf16 only where the CPU multiplies it in hardware
              (AVX512_BF16, AMX, Arm BF16; `native_bf16` in the JSON): elsewhere torch emulates it,
              hundreds of times slower, and every bf16 figure below is left out
-- engine     decode tokens/s of the built-in engine at batch 1, 8, 16, 32 (fp32 and bf16), and of
-             vLLM's CPU build (`.venv-vllm`, from `make test-vllm`) when it is there; decode alone:
-             the time of a max_tokens=1 batch (the prefill) is taken off
+- engine     decode tokens/s at batch 1, 8, 16, 32 of the built-in engine and of vLLM's CPU build
+             (`.venv-vllm`, from `make test-vllm`, when it is there), each in fp32 and bf16; decode
+             alone: the time of a max_tokens=1 batch (the prefill) is taken off
 - trainer    tokens/s of one update (forward, backward, AdamW) in fp32 and under bf16 autocast, and
              its MFU against the peak of the precision it computes in (6 x params FLOPs a token)
 - rl         GRPO steps of SmolLM2-135M-Instruct (after SFT) on tools-tiny through `openforge
              train`: today's default path (`baseline`) beside the fastest settings measured
-             (`fast`) and the same generating on vLLM's CPU build (`vllm`, when `.venv-vllm` is
-             there), same tasks, seed and model; `rl` is the fastest of them; rollouts/hour, the
+             (`fast`) and the same generating on vLLM's CPU build in fp32 and bf16 (`vllm`,
+             `vllm-bf16`, when `.venv-vllm` is there), each also with `--overlap`, same tasks, seed and
+             model (`--paths` picks); `rl` is the fastest of them; rollouts/hour, the
              step split into rollout, update and weight push, and the engine/trainer logprob
              agreement of each path
 
@@ -149,9 +150,10 @@ def builtin_engine(model: str, dtype: str, batches: list[int], tokens: int) -> l
 
 
 @contextmanager
-def vllm_server(model: str, max_seqs: int, log: str) -> Iterator[tuple[str, float]]:
+def vllm_server(model: str, max_seqs: int, log: str, dtype: str = "float32") -> Iterator[tuple[str, float]]:
     """vLLM's CPU build serving `model` from `.venv-vllm` on loopback (weights reloadable: dev mode,
-    logprobs of logits / T as the trainer's); yields its URL and how long it took to be ready."""
+    logprobs of logits / T as the trainer's), computing in `dtype` (float32, bfloat16); yields its
+    URL and how long it took to be ready."""
     import signal
     import socket
 
@@ -170,7 +172,7 @@ def vllm_server(model: str, max_seqs: int, log: str) -> Iterator[tuple[str, floa
     }
     cmd = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
         "--max-num-seqs", str(max_seqs), "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
     with open(log, "wb") as out:
@@ -188,7 +190,7 @@ def vllm_server(model: str, max_seqs: int, log: str) -> Iterator[tuple[str, floa
         proc.wait()
 
 
-def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[str, Any]:
+def vllm_engine(model: str, batches: list[int], tokens: int, log: str, dtype: str) -> dict[str, Any]:
     """The same measurement against vLLM's CPU build, served from `.venv-vllm` on loopback."""
     import asyncio
 
@@ -196,7 +198,7 @@ def vllm_engine(model: str, batches: list[int], tokens: int, log: str) -> dict[s
 
     from openforgerl.engines.vllm import VLLMEngine
 
-    with vllm_server(model, max(batches), log) as (url, ready_s):
+    with vllm_server(model, max(batches), log, dtype) as (url, ready_s):
         prompt = _prompt(AutoTokenizer.from_pretrained(model))
 
         async def go() -> list[dict[str, Any]]:
@@ -289,6 +291,19 @@ PATHS = {
     "fast": ["--concurrency", "16", "--precision", "bf16"],
     # The same, generating on vLLM's CPU build (a server beside the trainer; weights reloaded each step).
     "vllm": ["--concurrency", "16", "--precision", "bf16"],
+    # And vLLM computing in bf16 (half the weight bytes a decode step reads), where the CPU has it.
+    "vllm-bf16": ["--concurrency", "16", "--precision", "bf16"],
+    # Each with the next step's rollouts generated while this step trains (one step off-policy, the
+    # lag corrected by TIS); step 1 has nothing to overlap with, so these want 3 steps or more.
+    "vllm-overlap": ["--concurrency", "16", "--precision", "bf16", "--overlap"],
+    "vllm-bf16-overlap": ["--concurrency", "16", "--precision", "bf16", "--overlap"],
+}
+# The paths served by vLLM, and the dtype it computes in.
+VLLM_DTYPE = {
+    "vllm": "float32",
+    "vllm-bf16": "bfloat16",
+    "vllm-overlap": "float32",
+    "vllm-bf16-overlap": "bfloat16",
 }
 
 
@@ -299,7 +314,11 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
     settings = [a if bf16 or a != "bf16" else "fp32" for a in PATHS[name]]
     cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
            "--steps", str(steps), *RL_COMMON, *settings]  # fmt: skip
-    server = vllm_server(model, 16, str(Path(out) / "vllm-rl.log")) if name == "vllm" else nullcontext()
+    server = (
+        vllm_server(model, 16, str(Path(out) / f"{name}-rl.log"), VLLM_DTYPE[name])
+        if name in VLLM_DTYPE
+        else nullcontext()
+    )
     with server as up:
         if up is not None:
             cmd += ["--engine", f"vllm:{up[0]}"]
@@ -307,6 +326,11 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
         with open(Path(out) / f"rl-{name}.log", "wb") as log:
             subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
         wall = time.monotonic() - t0
+    return path_figures(run, settings, wall)
+
+
+def path_figures(run: Path, settings: list[str], wall: float) -> dict[str, Any]:
+    """A GRPO path's figures, from its run folder's metrics.jsonl."""
     steps_m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps_m = [m for m in steps_m if m.get("step", 0) >= 1]
     step_s = sum(m["time/step"] for m in steps_m)
@@ -316,6 +340,7 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
         return round(sum(m.get(key, 0.0) for m in steps_m), 1)
 
     agreement = [m for m in steps_m if "rollout_corr/log_ppl_abs_diff" in m]
+    trained = sum(m.get("tokens", 0) for m in steps_m)
     return {
         "settings": settings,
         "steps": len(steps_m),
@@ -330,7 +355,12 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
             "process": round(wall, 1),
         },
         "pass_rate": [m["pass_rate"] for m in steps_m],
+        "groups_kept": [m.get("groups_kept") for m in steps_m],
         "rollout_tokens": [m.get("rollout_tokens") for m in steps_m],
+        "trained_tokens": trained,
+        # The two rates a path's own code sets, free of what its sampled rollouts happened to be:
+        "seconds_per_rollout": round(total("time/rollout") / rollouts, 3),
+        "trained_tokens_per_s": round(trained / total("time/train"), 1) if trained else None,
         "trainer_tokens_per_s": [m["tokens_per_s"] for m in steps_m if "tokens_per_s" in m],
         "logprob_agreement": {
             "log_ppl_abs_diff_max": max(
@@ -340,6 +370,32 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
             "is_weight_max": max((m["is_weight_max"] for m in agreement), default=None),
         },
     }
+
+
+def equal_work(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each path's rollouts/hour at the same work a step: the same rollouts and the same trained
+    tokens (the mean over every path's steps). Sampling makes the paths' steps differ: a step whose
+    groups all pass or all fail trains nothing, so measured rollouts/hour rewards a path for luck.
+    Here a step costs its rollouts at the path's measured seconds a rollout plus the trained tokens
+    at its measured trainer rate; an --overlap path costs the longer of the two (both rates were
+    measured while the two phases shared the cores)."""
+    steps = sum(r["steps"] for r in runs.values())
+    rollouts = sum(r["rollouts"] for r in runs.values()) / steps
+    tokens = sum(r["trained_tokens"] for r in runs.values()) / steps
+    out: dict[str, Any] = {"rollouts_per_step": round(rollouts, 1), "trained_tokens_per_step": round(tokens)}
+    for name, r in runs.items():
+        if not r["trained_tokens_per_s"]:
+            continue
+        phases = (rollouts * r["seconds_per_rollout"], tokens / r["trained_tokens_per_s"])
+        step_s = max(phases) if "--overlap" in r["settings"] else sum(phases)
+        out[name] = {"step_s": round(step_s, 1), "rollouts_per_hour": round(rollouts * 3600 / step_s, 1)}
+    if "baseline" in out:
+        for name in runs:
+            if name in out:
+                out[name]["speedup_vs_baseline"] = round(
+                    out[name]["rollouts_per_hour"] / out["baseline"]["rollouts_per_hour"], 2
+                )
+    return out
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -352,6 +408,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/rl-throughput"))
     ap.add_argument("--rl-steps", type=int, default=3, help="GRPO steps of each path (not --quick)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: engine,vllm,trainer,rl")
+    ap.add_argument(
+        "--paths",
+        default="",
+        help=f"comma-separated GRPO paths to run, of {','.join(PATHS)} (default: all "
+        "this machine can run); baseline always runs, for the ratio",
+    )
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -382,18 +444,20 @@ def main(argv: list[str] | None = None) -> None:
                 _in_fresh_process("builtin_engine", model, "bfloat16", batches, tokens), "bf16"
             )
         notes = {}
-        if "vllm" in skip:
-            notes["vllm_cpu_fp32"] = "left out (--skip vllm)"
-        elif not VLLM_PYTHON.exists():
-            notes["vllm_cpu_fp32"] = "not measured: no .venv-vllm (make test-vllm builds it)"
-        else:
-            try:
-                log = str(args.out.resolve() / "vllm.log")
-                v = _in_fresh_process("vllm_engine", model, batches, tokens, log)
-                engines["vllm_cpu_fp32"] = with_mfu(v["rows"], "fp32")
-                notes["vllm_cpu_fp32"] = f"server ready in {v['ready_s']} s (torch.compile on)"
-            except RuntimeError as e:
-                notes["vllm_cpu_fp32"] = f"failed: {str(e)[-500:]}"
+        for precision in precisions:
+            key, dtype = f"vllm_cpu_{precision}", {"fp32": "float32", "bf16": "bfloat16"}[precision]
+            if "vllm" in skip:
+                notes[key] = "left out (--skip vllm)"
+            elif not VLLM_PYTHON.exists():
+                notes[key] = "not measured: no .venv-vllm (make test-vllm builds it)"
+            else:
+                try:
+                    log = str(args.out.resolve() / f"vllm-{precision}.log")
+                    v = _in_fresh_process("vllm_engine", model, batches, tokens, log, dtype)
+                    engines[key] = with_mfu(v["rows"], precision)
+                    notes[key] = f"server ready in {v['ready_s']} s (torch.compile on)"
+                except RuntimeError as e:
+                    notes[key] = f"failed: {str(e)[-500:]}"
         at16 = {k: next(r for r in rows if r["batch"] == 16) for k, rows in engines.items()}
         result["engine"] = {
             **engines,
@@ -413,7 +477,16 @@ def main(argv: list[str] | None = None) -> None:
             )
     if "rl" not in skip:
         steps = 1 if args.quick else args.rl_steps
-        names = [*PATHS] if "vllm" not in skip and VLLM_PYTHON.exists() else ["baseline", "fast"]
+        runnable = [
+            n
+            for n in PATHS
+            if (n not in VLLM_DTYPE or ("vllm" not in skip and VLLM_PYTHON.exists()))
+            and (VLLM_DTYPE.get(n) != "bfloat16" or bf16)
+        ]
+        asked = set(filter(None, args.paths.split(","))) or set(runnable)
+        if unknown := asked - set(PATHS):
+            ap.error(f"unknown --paths {sorted(unknown)}: the paths are {', '.join(PATHS)}")
+        names = [n for n in runnable if n == "baseline" or n in asked]
         runs = {name: rl_path(model, name, steps, str(args.out.resolve()), bf16) for name in names}
         base = runs["baseline"]
         for r in runs.values():
@@ -421,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         fastest = max((n for n in runs if n != "baseline"), key=lambda n: runs[n]["rollouts_per_hour"])
         result["baseline"] = {"rl": base}
         result["rl"] = {"path": fastest, **runs[fastest], "paths": runs}
+        result["equal_work"] = equal_work(runs)
     result["load_average"] = os.getloadavg()
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     text = json.dumps(result, indent=2)
