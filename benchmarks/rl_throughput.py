@@ -12,7 +12,9 @@ must not share warm caches):
              (`.venv-vllm`, from `make test-vllm`, when it is there), each in fp32 and bf16; decode
              alone: the time of a max_tokens=1 batch (the prefill) is taken off
 - trainer    tokens/s of one update (forward, backward, AdamW) in fp32 and under bf16 autocast, and
-             its MFU against the peak of the precision it computes in (6 x params FLOPs a token)
+             its MFU against the peak of the precision it computes in (6 x params FLOPs a token);
+             with --trainer-detail also each precision's profile (operators by self CPU time) and
+             its speed under torch.compile
 - rl         GRPO steps of SmolLM2-135M-Instruct (after SFT) on tools-tiny through `openforge
              train`: today's default path (`baseline`) beside the fastest settings measured
              (`fast`) and the same generating on vLLM's CPU build in fp32 and bf16 (`vllm`,
@@ -224,9 +226,9 @@ def _healthy(url: str) -> bool:
 # -- trainer -----------------------------------------------------------------------------------
 
 
-def trainer_speed(model: str, precision: str, rows: int, length: int, repeats: int) -> dict[str, Any]:
-    """Tokens/s of one update (forward, backward, AdamW) on rows x length tokens, the median of
-    `repeats` after a warm-up, through the trainer's own Policy."""
+def _update(model: str, precision: str, rows: int, length: int, compiled: bool = False) -> Any:
+    """One update (forward, backward, AdamW) on rows x length random tokens, half of each row in
+    the loss, through the trainer's own Policy; returns a function that runs it."""
     import torch
 
     from openforgerl.rl import algos
@@ -235,19 +237,34 @@ def trainer_speed(model: str, precision: str, rows: int, length: int, repeats: i
 
     torch.set_num_threads(THREADS)
     policy = Policy(model, lr=1e-6, precision=precision)
+    if compiled:  # inductor, shapes left dynamic: micro-batches differ in length
+        policy.model.forward = torch.compile(policy.model.forward, dynamic=True)
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(rows):
         ids = torch.randint(0, 40_000, (length,), generator=g).tolist()
         half = length // 2
         samples.append(one_turn_sample(ids[:half], ids[half:], [0.0] * (length - half), f"s{i}"))
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+
+    def update() -> None:
         batch = policy.collate(samples)
         loss = algos.sft_loss(policy.logprobs(batch, temperature=1.0), batch.mask, int(batch.mask.sum()))
         loss.backward()
         policy.clip_and_step(1.0)
+
+    return update
+
+
+def trainer_speed(
+    model: str, precision: str, rows: int, length: int, repeats: int, compiled: bool = False
+) -> dict[str, Any]:
+    """Tokens/s of one update on rows x length tokens, the median of `repeats` after a warm-up
+    (with `compiled`, the warm-up is torch.compile's compilation: its seconds are reported)."""
+    update = _update(model, precision, rows, length, compiled)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        update()
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times[1:])
     return {
@@ -255,6 +272,28 @@ def trainer_speed(model: str, precision: str, rows: int, length: int, repeats: i
         "tokens": rows * length,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(rows * length / seconds, 1),
+        **({"compiled": True, "first_update_s": round(times[0], 1)} if compiled else {}),
+    }
+
+
+def trainer_profile(model: str, precision: str, rows: int, length: int, top: int = 12) -> dict[str, Any]:
+    """Where one update's time goes: torch.profiler's operators by self CPU time, after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    update = _update(model, precision, rows, length)
+    update()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        update()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) / 1e6
+    return {
+        "precision": precision,
+        "tokens": rows * length,
+        "profiled_s": round(total, 2),
+        "ops": [
+            {"op": e.key, "self_s": round(e.self_cpu_time_total / 1e6, 3), "calls": e.count}
+            for e in ops[:top]
+        ],
     }
 
 
@@ -409,6 +448,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rl-steps", type=int, default=3, help="GRPO steps of each path (not --quick)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: engine,vllm,trainer,rl")
     ap.add_argument(
+        "--trainer-detail",
+        action="store_true",
+        help="also profile one update per precision and time it under torch.compile (minutes more)",
+    )
+    ap.add_argument(
+        "--result", type=Path, help="where the JSON goes (default: benchmarks/results/rl_throughput.json)"
+    )
+    ap.add_argument(
         "--paths",
         default="",
         help=f"comma-separated GRPO paths to run, of {','.join(PATHS)} (default: all "
@@ -475,6 +522,14 @@ def main(argv: list[str] | None = None) -> None:
             result["trainer"]["bf16_speedup"] = round(
                 trainer["bf16"]["tokens_per_s"] / trainer["fp32"]["tokens_per_s"], 2
             )
+        if args.trainer_detail:
+            result["trainer"]["profile"] = {
+                p: _in_fresh_process("trainer_profile", model, p, rows, length) for p in precisions
+            }
+            result["trainer"]["compiled"] = {
+                p: _in_fresh_process("trainer_speed", model, p, rows, length, repeats, True)
+                for p in precisions
+            }
     if "rl" not in skip:
         steps = 1 if args.quick else args.rl_steps
         runnable = [
@@ -499,7 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     text = json.dumps(result, indent=2)
     print(text)
-    (RESULTS / ("rl_throughput_quick.json" if args.quick else "rl_throughput.json")).write_text(text + "\n")
+    default = RESULTS / ("rl_throughput_quick.json" if args.quick else "rl_throughput.json")
+    (args.result or default).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class TrainerConfig:
     precision: str = setting(
         "fp32",
         "The trainer's forward passes: fp32, or bf16 autocast over fp32 master weights (a CPU with "
-        "AVX512_BF16 or AMX doubles its matmul peak; one without emulates bf16, hundreds of times "
+        "AVX512_BF16 or AMX has ~4x the fp32 matmul peak; one without emulates bf16, hundreds of times "
         "slower, and the trainer warns; logprobs then differ from the engine's, which --tis corrects).",
         choices=PRECISIONS,
     )
