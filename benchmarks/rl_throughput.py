@@ -463,6 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if unknown := set(filter(None, args.paths.split(","))) - set(PATHS):
+        ap.error(f"unknown --paths {sorted(unknown)}: the paths are {', '.join(PATHS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     model = args.model or str(make_student(args.out.resolve()))
@@ -539,8 +541,6 @@ def main(argv: list[str] | None = None) -> None:
             and (VLLM_DTYPE.get(n) != "bfloat16" or bf16)
         ]
         asked = set(filter(None, args.paths.split(","))) or set(runnable)
-        if unknown := asked - set(PATHS):
-            ap.error(f"unknown --paths {sorted(unknown)}: the paths are {', '.join(PATHS)}")
         names = [n for n in runnable if n == "baseline" or n in asked]
         runs = {name: rl_path(model, name, steps, str(args.out.resolve()), bf16) for name in names}
         base = runs["baseline"]
