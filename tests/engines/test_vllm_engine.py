@@ -750,6 +750,67 @@ def test_greedy_matches_the_teacher(vllm_server: Server, teacher: Teacher, promp
     assert r.finish_reason == "length"
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@vllm
+def test_an_engine_that_starts_its_own_server_serves_reloads_and_stops_it(
+    tiny_model_dir: Path, work_dir: Path, teacher: Teacher, prompt: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--engine vllm`: the engine starts a vLLM server on loopback from the environment that holds
+    vLLM, with what RL needs of it (logprobs of logits / T, weights reloadable), and its close
+    stops the server's whole process tree; a server that dies while starting is said at once."""
+    from openforgerl.engines import make_engine
+    from openforgerl.engines.vllm_server import LocalVLLMEngine
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip("no .venv-vllm: run `make test-vllm` (it builds the vLLM venv)")
+    monkeypatch.setenv("OPENFORGE_VLLM_PYTHON", str(VLLM_PYTHON))
+    monkeypatch.setenv("OPENFORGE_VLLM_ARGS", f"--enforce-eager --max-model-len {MAX_MODEL_LEN}")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    engine = make_engine("vllm", str(tiny_model_dir), policy_version=0)
+    assert isinstance(engine, LocalVLLMEngine)
+
+    async def go() -> tuple[GenerateResult, int, int | None]:
+        await engine.start()
+        try:
+            pid = engine.server_pid
+            version = await engine.load_weights(str(tiny_model_dir))
+            result = await engine.generate(prompt, SamplingParams(temperature=0.7, max_tokens=16, seed=5))
+            return result, version, pid
+        finally:
+            await engine.close()
+
+    result, version, pid = asyncio.run(go())
+    assert version == 1 and result.policy_version == 1 and len(result.completion_ids) > 0
+    teacher.check(tiny_model_dir, prompt, result, 0.7)  # processed logprobs, at the trainer's T
+    assert pid is not None and engine.server_pid is None
+    deadline = time.monotonic() + 30  # the killed processes are reaped by init meanwhile
+    while _group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(pid), "the server's process group outlived the engine"
+
+    monkeypatch.setenv("OPENFORGE_VLLM_ARGS", "--no-such-vllm-option")
+    broken = make_engine("vllm", str(tiny_model_dir))
+
+    async def start_broken() -> None:
+        try:
+            await broken.start()
+        finally:
+            await broken.close()
+
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="exited with"):
+        asyncio.run(start_broken())
+    assert time.monotonic() - t0 < 120  # not the start timeout's 900 s
+
+
 @vllm
 def test_length_stop_string_and_stop_token(vllm_server: Server, tokenizer: Any, prompt: list[int]) -> None:
     eos = set(eos_ids(vllm_server.model_dir))

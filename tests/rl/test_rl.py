@@ -377,7 +377,30 @@ def test_a_server_engine_starts_one_version_back_and_gets_the_weights_pushed_fir
     builtin, push_first = start_engine("builtin", tiny_model_dir, 3)
     assert isinstance(builtin, TransformersEngine) and not push_first and builtin.policy_version == 3
     with pytest.raises(ValueError, match="unknown engine"):
+        start_engine("sglang", tiny_model_dir, 0)  # a server it cannot start: its URL is needed
+
+
+def test_an_engine_that_starts_vllm_says_where_vllm_is_wanted(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--engine vllm` starts a server from the environment that holds vLLM: with none named and no
+    ./.venv-vllm, it says how to give one, before anything starts."""
+    from openforgerl.engines.base import EngineError
+    from openforgerl.engines.vllm_server import LocalVLLMEngine, server_command
+
+    monkeypatch.delenv("OPENFORGE_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(EngineError, match="OPENFORGE_VLLM_PYTHON"):
         start_engine("vllm", tiny_model_dir, 0)
+    monkeypatch.setenv("OPENFORGE_VLLM_PYTHON", "/opt/vllm/bin/python")
+    monkeypatch.setenv("OPENFORGE_VLLM_ARGS", "--dtype bfloat16 --max-model-len 2048")
+    engine, push_first = start_engine("vllm", tiny_model_dir, 3)
+    assert isinstance(engine, LocalVLLMEngine) and push_first and engine.policy_version == 2
+    cmd, env = server_command("/opt/vllm/bin/python", str(tiny_model_dir), 8123)
+    assert cmd[0] == "/opt/vllm/bin/python" and ["--host", "127.0.0.1"] == cmd[5:7]
+    assert cmd[-4:] == ["--dtype", "bfloat16", "--max-model-len", "2048"]  # given last: they win
+    assert ["--logprobs-mode", "processed_logprobs"] == cmd[cmd.index("--logprobs-mode") :][:2]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 # ---- SFT -------------------------------------------------------------------------------------

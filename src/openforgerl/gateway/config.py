@@ -63,7 +63,9 @@ class GatewayConfig:
     --upstream...)."""
 
     model: str = setting(help="HF model directory (tokenizer and chat template).")
-    engine: str = setting("builtin", "builtin (transformers, this process), vllm:URL or sglang:URL.")
+    engine: str = setting(
+        "builtin", "builtin (transformers, this process), vllm (a server it starts), vllm:URL or sglang:URL."
+    )
     host: str = setting("127.0.0.1", "The address to listen on.")
     port: int = setting(8000, "The port to listen on.", low=0, high=65535)
     store: str = setting("openforge.db", "SQLite file of the records.")

@@ -277,9 +277,10 @@ class TrainOptions:
     )
     engine: str = setting(
         "builtin",
-        "builtin (transformers, this process), vllm:URL (a vLLM server started with "
-        "VLLM_SERVER_DEV_MODE=1 that reads the run folder at the same path: it reloads each "
-        "checkpoint from disk) or sglang:URL.",
+        "builtin (transformers, this process), vllm (a vLLM server on loopback the run starts and "
+        "stops, from OPENFORGE_VLLM_PYTHON or ./.venv-vllm; x2.1 rollouts an hour on 2 CPU cores), "
+        "vllm:URL (a vLLM server started with VLLM_SERVER_DEV_MODE=1 that reads the run folder at "
+        "the same path: it reloads each checkpoint from disk) or sglang:URL.",
     )
     ptx_data: str | None = setting(
         None,

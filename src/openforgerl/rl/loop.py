@@ -51,19 +51,21 @@ run starts from the last checkpoint, which is the newest weights the engine ever
 when a run is resumed with a lower --max-lag than its rollouts were made under.
 
 Engines (`engine`, as `openforge gateway --engine` takes it): `builtin` runs transformers in this
-process; `vllm:URL` (or `sglang:URL`) uses a running inference server. A vLLM server must be started
-with VLLM_SERVER_DEV_MODE=1 (weights are reloaded through its /collective_rpc `reload_weights`) and,
-for a temperature other than 1, `--logprobs-mode processed_logprobs` (the behaviour logprobs must be
-of logits / temperature, as the trainer's are). Weights go to a server as paths: checkpoints (and,
-before the first rollout, the starting model) must be on a filesystem the server reads at the same
-path (the same machine, or a shared mount of the run folder); paths are sent absolute. A server's
-weights are whatever it holds when the loop starts (the model it was started with, or weights an
-earlier run left there), so the loop first loads the starting model, or on --resume the last
-checkpoint, into it: the engine starts one version back and that load brings it to the trainer's
-policy version, so recorded versions are right from the first call. vLLM 0.32's CPU backend keeps a
-stale LM head on reload for models with tied embeddings: for Llama, Mistral and Qwen2/3 checkpoints
-on a server that reads this machine's files the engine reloads through a view that names the head
-(engines/vllm.py `tied_head_view`); train other tied models with the builtin engine, or untie them.
+process; `vllm` starts a vLLM server on loopback with the settings below and stops it at the end
+(engines/vllm_server.py); `vllm:URL` (or `sglang:URL`) uses a running inference server. A vLLM
+server must be started with VLLM_SERVER_DEV_MODE=1 (weights are reloaded through its /collective_rpc
+`reload_weights`) and, for a temperature other than 1, `--logprobs-mode processed_logprobs` (the
+behaviour logprobs must be of logits / temperature, as the trainer's are). Weights go to a server as
+paths: checkpoints (and, before the first rollout, the starting model) must be on a filesystem the
+server reads at the same path (the same machine, or a shared mount of the run folder); paths are
+sent absolute. A server's weights are whatever it holds when the loop starts (the model it was
+started with, or weights an earlier run left there), so the loop first loads the starting model, or
+on --resume the last checkpoint, into it: the engine starts one version back and that load brings it
+to the trainer's policy version, so recorded versions are right from the first call. vLLM 0.32's CPU
+backend keeps a stale LM head on reload for models with tied embeddings: for Llama, Mistral and
+Qwen2/3 checkpoints on a server that reads this machine's files the engine reloads through a view
+that names the head (engines/vllm.py `tied_head_view`); train other tied models with the builtin
+engine, or untie them.
 
 Timeouts: a rollout stopped by the task's wall clock says how loaded the machine was as much as how
 the policy did, so by default (`on_timeout="exclude"`) it is left out of the policy update, and
