@@ -37,8 +37,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -151,76 +149,38 @@ def builtin_engine(model: str, dtype: str, batches: list[int], tokens: int) -> l
     return asyncio.run(go())
 
 
-@contextmanager
-def vllm_server(model: str, max_seqs: int, log: str, dtype: str = "float32") -> Iterator[tuple[str, float]]:
-    """vLLM's CPU build serving `model` from `.venv-vllm` on loopback (weights reloadable: dev mode,
-    logprobs of logits / T as the trainer's), computing in `dtype` (float32, bfloat16); yields its
-    URL and how long it took to be ready."""
-    import signal
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        # vLLM keeps one core for its front end unless told: on 2 cores the model would get one.
-        # Both go to the model, as the built-in engine has them; the front end shares them.
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc: RL reloads the weights through it
+def vllm_env(dtype: str, max_seqs: int) -> dict[str, str]:
+    """What `--engine vllm` (engines/vllm_server.py) needs to start vLLM's CPU build from
+    `.venv-vllm`, computing in `dtype` (float32, bfloat16), for up to `max_seqs` sequences at once."""
+    return {
+        "OPENFORGE_VLLM_PYTHON": str(VLLM_PYTHON),
+        "OPENFORGE_VLLM_ARGS": f"--dtype {dtype} --max-model-len 2048 --max-num-seqs {max_seqs}",
         "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
     }
-    cmd = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048",
-        "--max-num-seqs", str(max_seqs), "--logprobs-mode", "processed_logprobs",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    try:
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() - t0 > 600:
-                raise RuntimeError(f"vLLM did not start: {Path(log).read_text()[-2000:]}")
-            time.sleep(1)
-        yield url, round(time.monotonic() - t0, 1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def vllm_engine(model: str, batches: list[int], tokens: int, log: str, dtype: str) -> dict[str, Any]:
-    """The same measurement against vLLM's CPU build, served from `.venv-vllm` on loopback."""
+    """The same measurement against vLLM's CPU build, on the server `--engine vllm` starts."""
     import asyncio
 
     from transformers import AutoTokenizer
 
-    from openforgerl.engines.vllm import VLLMEngine
+    from openforgerl.engines.vllm_server import LocalVLLMEngine
 
-    with vllm_server(model, max(batches), log, dtype) as (url, ready_s):
-        prompt = _prompt(AutoTokenizer.from_pretrained(model))
+    os.environ.update(vllm_env(dtype, max(batches)))
+    prompt = _prompt(AutoTokenizer.from_pretrained(model))
 
-        async def go() -> list[dict[str, Any]]:
-            engine = VLLMEngine(url, model=model)
-            await engine.start()
-            try:
-                return await _decode_rates(engine, prompt, batches, tokens)
-            finally:
-                await engine.close()
+    async def go() -> dict[str, Any]:
+        engine = LocalVLLMEngine(model, log=log)
+        t0 = time.monotonic()
+        await engine.start()
+        ready_s = round(time.monotonic() - t0, 1)
+        try:
+            return {"ready_s": ready_s, "rows": await _decode_rates(engine, prompt, batches, tokens)}
+        finally:
+            await engine.close()
 
-        return {"ready_s": ready_s, "rows": asyncio.run(go())}
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return asyncio.run(go())
 
 
 # -- trainer -----------------------------------------------------------------------------------
@@ -353,18 +313,13 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
     settings = [a if bf16 or a != "bf16" else "fp32" for a in PATHS[name]]
     cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
            "--steps", str(steps), *RL_COMMON, *settings]  # fmt: skip
-    server = (
-        vllm_server(model, 16, str(Path(out) / f"{name}-rl.log"), VLLM_DTYPE[name])
-        if name in VLLM_DTYPE
-        else nullcontext()
-    )
-    with server as up:
-        if up is not None:
-            cmd += ["--engine", f"vllm:{up[0]}"]
-        t0 = time.monotonic()
-        with open(Path(out) / f"rl-{name}.log", "wb") as log:
-            subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wall = time.monotonic() - t0
+    if name in VLLM_DTYPE:  # the run starts vLLM's server and stops it (--engine vllm)
+        cmd += ["--engine", "vllm"]
+        env.update(vllm_env(VLLM_DTYPE[name], 16))
+    t0 = time.monotonic()
+    with open(Path(out) / f"rl-{name}.log", "wb") as log:
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.monotonic() - t0
     return path_figures(run, settings, wall)
 
 
