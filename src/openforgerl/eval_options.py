@@ -64,6 +64,11 @@ class EvalOptions:
         "services), which live-site tasks (webvoyager:FILE, online-mind2web:FILE) need.",
         choices=("gateway", "host"),
     )
+    engine: str = setting(
+        "builtin",
+        "The embedded gateway's engine: builtin (transformers, this process), vllm (a vLLM server on "
+        "loopback the run starts and stops), vllm:URL or sglang:URL.",
+    )
     engine_threads: int | None = setting(
         None,
         "CPU threads of the embedded engine (none: half the cores, the rest for the sandboxes: a "

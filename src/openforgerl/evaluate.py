@@ -48,7 +48,7 @@ def _service(opts: EvalOptions, engine: Engine | None, run_id: str) -> Iterator[
     with serving(
         opts.model,
         RunFolder(opts.out).gateway_store,
-        engine=engine,
+        engine=engine or opts.engine,
         backend=opts.backend,
         run_id=run_id,
         max_tokens=opts.max_tokens,

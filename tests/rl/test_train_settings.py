@@ -260,13 +260,23 @@ def test_every_eval_setting_is_an_option_of_eval_and_rollout_and_reaches_the_run
     monkeypatch.setattr(evaluate, "run_eval", fake)
     monkeypatch.setattr(evaluate, "run_and_write_trajectories", fake)
     args = ["--tasks", "tools-tiny", "--model", "m", "--temperature", "0.5", "--seed", "7"]
-    args += ["--max-steps", "40", "--no-progress", "--network", "host", "--on-failure", "drop"]
+    args += [
+        "--max-steps",
+        "40",
+        "--no-progress",
+        "--network",
+        "host",
+        "--on-failure",
+        "drop",
+        "--engine",
+        "vllm",
+    ]
     result = CliRunner().invoke(eval_cmd, [*args, "--k", "2", "--n", "4", "--out", str(tmp_path / "e")])
     assert isinstance(result.exception, Stop), result.output
     opts = seen[-1]
     assert (opts.temperature, opts.seed, opts.max_steps, opts.progress) == (0.5, 7, 40, False)
     assert (opts.network, opts.on_failure, opts.k, opts.n, opts.model) == ("host", "drop", 2, 4, "m")
-    assert opts.out == tmp_path / "e" and opts.harness == "react"
+    assert opts.out == tmp_path / "e" and opts.harness == "react" and opts.engine == "vllm"
     assert opts.max_tokens == EvalOptions.max_tokens and opts.concurrency == EvalOptions.concurrency
     result = CliRunner().invoke(rollout_cmd, [*args, "--harness", "pi"])
     assert isinstance(result.exception, Stop), result.output
