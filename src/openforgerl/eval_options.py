@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from openforgerl.engines.base import engine_setting
 from openforgerl.rollouts.settings import OnFailure, RolloutSettings, RunNetwork, timeout_multiplier_setting
 from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.settings import setting
@@ -64,11 +65,7 @@ class EvalOptions:
         "services), which live-site tasks (webvoyager:FILE, online-mind2web:FILE) need.",
         choices=("gateway", "host"),
     )
-    engine: str = setting(
-        "builtin",
-        "The embedded gateway's engine: builtin (transformers, this process), vllm (a vLLM server on "
-        "loopback the run starts and stops), vllm:URL or sglang:URL.",
-    )
+    engine: str = engine_setting(" behind the embedded gateway")
     engine_threads: int | None = setting(
         None,
         "CPU threads of the embedded engine (none: half the cores, the rest for the sandboxes: a "

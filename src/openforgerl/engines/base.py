@@ -8,6 +8,20 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from openforgerl.images import Image
 
+
+def engine_setting(more: str = "") -> Any:
+    """The engine spec (what `engines.make_engine` takes) as a setting, declared once for every
+    config that starts an engine (the gateway's, eval's, train's); `more` ends its help."""
+    from openforgerl.settings import setting
+
+    return setting(
+        "builtin",
+        "builtin (transformers, this process), vllm (a vLLM server on loopback that the run starts and "
+        "stops, from OPENFORGE_VLLM_PYTHON or ./.venv-vllm), vllm:URL or sglang:URL (a running "
+        f"server){more}.",
+    )
+
+
 FinishReason = Literal["stop", "length", "abort"]
 # A server's finish reason by name (vLLM's and SGLang's use these); any other is recorded as "abort".
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
 
-from openforgerl.engines.base import PREFIX_CACHE_MB
+from openforgerl.engines.base import PREFIX_CACHE_MB, engine_setting
 from openforgerl.settings import setting
 
 UpstreamKind = Literal["openai", "anthropic"]
@@ -63,9 +63,7 @@ class GatewayConfig:
     --upstream...)."""
 
     model: str = setting(help="HF model directory (tokenizer and chat template).")
-    engine: str = setting(
-        "builtin", "builtin (transformers, this process), vllm (a server it starts), vllm:URL or sglang:URL."
-    )
+    engine: str = engine_setting()
     host: str = setting("127.0.0.1", "The address to listen on.")
     port: int = setting(8000, "The port to listen on.", low=0, high=65535)
     store: str = setting("openforge.db", "SQLite file of the records.")

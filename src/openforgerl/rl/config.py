@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from openforgerl.engines.base import engine_setting
 from openforgerl.rollouts.settings import timeout_multiplier_setting
 from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.settings import read, setting, settings_of
@@ -275,12 +276,9 @@ class TrainOptions:
         "steps ahead rollouts run.",
         low=0,
     )
-    engine: str = setting(
-        "builtin",
-        "builtin (transformers, this process), vllm (a vLLM server on loopback the run starts and "
-        "stops, from OPENFORGE_VLLM_PYTHON or ./.venv-vllm; x2.1 rollouts an hour on 2 CPU cores), "
-        "vllm:URL (a vLLM server started with VLLM_SERVER_DEV_MODE=1 that reads the run folder at "
-        "the same path: it reloads each checkpoint from disk) or sglang:URL.",
+    engine: str = engine_setting(
+        "; a vllm:URL server must be started with VLLM_SERVER_DEV_MODE=1 and read the run folder at the "
+        "same path (it reloads each checkpoint from disk)"
     )
     ptx_data: str | None = setting(
         None,
