@@ -283,27 +283,27 @@ RL_COMMON = [
     "--group", "8", "--batch-tasks", "2", "--temperature", "0.7", "--skip-tasks", "96",
     "--max-tokens", "96", "--lr", "2e-6", "--seed", "0",
 ]  # fmt: skip
+# Every rollout of a step at once (bigger decode batches), the trainer under bf16 autocast where the
+# CPU has a bf16 matmul (rl_path drops it where it has not).
+FAST = ["--concurrency", "16", "--precision", "bf16"]
 PATHS = {
     "baseline": [],  # today's defaults: 8 rollouts at a time, the trainer in fp32
-    # Every rollout of a step at once (bigger decode batches), the trainer under bf16 autocast where
-    # the CPU has a bf16 matmul (rl_path drops it where it has not).
-    "fast": ["--concurrency", "16", "--precision", "bf16"],
-    # The same, generating on vLLM's CPU build (a server beside the trainer; weights reloaded each step).
-    "vllm": ["--concurrency", "16", "--precision", "bf16"],
-    # And vLLM computing in bf16 (half the weight bytes a decode step reads), where the CPU has it.
-    "vllm-bf16": ["--concurrency", "16", "--precision", "bf16"],
-    # Each with the next step's rollouts generated while this step trains (one step off-policy, the
-    # lag corrected by TIS); step 1 has nothing to overlap with, so these want 3 steps or more.
-    "vllm-overlap": ["--concurrency", "16", "--precision", "bf16", "--overlap"],
-    "vllm-bf16-overlap": ["--concurrency", "16", "--precision", "bf16", "--overlap"],
+    "fast": FAST,
+    # The same generating on vLLM's CPU build (the server `--engine vllm` starts; weights reloaded
+    # each step), in fp32 or bf16 (half the weight bytes a decode step reads); each also with the
+    # next step's rollouts generated while this step trains (`--overlap`: one step off-policy, the
+    # lag corrected by TIS; step 1 has nothing to overlap with, so these want 3 steps or more).
+    **{
+        f"vllm{dtype}{overlap}": [*FAST, *(["--overlap"] if overlap else [])]
+        for dtype in ("", "-bf16")
+        for overlap in ("", "-overlap")
+    },
 }
-# The paths served by vLLM, and the dtype it computes in.
-VLLM_DTYPE = {
-    "vllm": "float32",
-    "vllm-bf16": "bfloat16",
-    "vllm-overlap": "float32",
-    "vllm-bf16-overlap": "bfloat16",
-}
+
+
+def vllm_dtype(name: str) -> str | None:
+    """The dtype vLLM computes in on the path `name`; None where vLLM does not generate."""
+    return None if not name.startswith("vllm") else "bfloat16" if "-bf16" in name else "float32"
 
 
 def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> dict[str, Any]:
@@ -313,9 +313,9 @@ def rl_path(model: str, name: str, steps: int, out: str, bf16: bool = True) -> d
     settings = [a if bf16 or a != "bf16" else "fp32" for a in PATHS[name]]
     cmd = [str(Path(sys.executable).parent / "openforge"), "train", "--model", model, "--out", str(run),
            "--steps", str(steps), *RL_COMMON, *settings]  # fmt: skip
-    if name in VLLM_DTYPE:  # the run starts vLLM's server and stops it (--engine vllm)
+    if dtype := vllm_dtype(name):  # the run starts vLLM's server and stops it (--engine vllm)
         cmd += ["--engine", "vllm"]
-        env.update(vllm_env(VLLM_DTYPE[name], 16))
+        env.update(vllm_env(dtype, 16))
     t0 = time.monotonic()
     with open(Path(out) / f"rl-{name}.log", "wb") as log:
         subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -492,8 +492,8 @@ def main(argv: list[str] | None = None) -> None:
         runnable = [
             n
             for n in PATHS
-            if (n not in VLLM_DTYPE or ("vllm" not in skip and VLLM_PYTHON.exists()))
-            and (VLLM_DTYPE.get(n) != "bfloat16" or bf16)
+            if (vllm_dtype(n) is None or ("vllm" not in skip and VLLM_PYTHON.exists()))
+            and (vllm_dtype(n) != "bfloat16" or bf16)
         ]
         asked = set(filter(None, args.paths.split(","))) or set(runnable)
         names = [n for n in runnable if n == "baseline" or n in asked]
