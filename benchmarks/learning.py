@@ -92,6 +92,7 @@ def _rft_data(cfg: demo.DemoConfig, sft_dir: Path, out: Path) -> Any:
         concurrency=cfg.concurrency,
         progress=False,
         harness=cfg.harness,
+        engine=cfg.engine,
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from openforgerl.engines.base import engine_setting
 from openforgerl.rollouts.settings import timeout_multiplier_setting
 from openforgerl.settings import setting
 
@@ -125,6 +126,8 @@ class DemoConfig:
     # 16 SmolLM2 rollouts in flight on 2 cores took a median 99 s of tools-tiny's 120 (issue #33).
     timeout_multiplier: float = timeout_multiplier_setting()
     overlap: bool = setting(False, "RL: rollouts of step t+1 run while step t trains (policy lag <= 1).")
+    # vllm: each phase that generates (headroom, RL, every evaluation) starts its own server.
+    engine: str = engine_setting(" for every phase that generates")
     progress: bool = setting(True, "Progress bars.")
     until: Literal["sft"] | None = setting(
         None, "Stop after this phase's evaluations (a rerun goes on).", choices=("sft",)
@@ -189,6 +192,7 @@ def rl_options(cfg: DemoConfig, sft_dir: Path, rl_dir: Path, teacher_file: Path)
         seed=cfg.seed,
         progress=cfg.progress,
         overlap=cfg.overlap,
+        engine=cfg.engine,
         max_gen_batches=cfg.rl_max_gen_batches,
         headroom_tasks=cfg.headroom_tasks,
         headroom_k=cfg.headroom_k,

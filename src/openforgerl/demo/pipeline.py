@@ -75,6 +75,7 @@ def evaluate_model(
         concurrency=cfg.concurrency,
         timeout_multiplier=cfg.timeout_multiplier,
         progress=cfg.progress,
+        engine=cfg.engine,
     )
     return run_eval(opts)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -168,3 +169,39 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One call of `Engine.generate`, as an engine built on `EngineBase` receives it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    images: Sequence[Image] = ()
+    on_tokens: TokenSink | None = None
+
+
+class EngineBase(ABC):
+    """`Engine.generate` for the engines of this project: what every one refuses alike (an empty
+    prompt, images for a model or server that takes none) is said here, then `_generate` does the
+    engine's own work on the call as one `Generation`."""
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: Sequence[Image] = (),
+        on_tokens: TokenSink | None = None,
+    ) -> GenerateResult:
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        if images and (why := self.refuses_images()):
+            raise EngineError(why)
+        return await self._generate(Generation(list(prompt_ids), sampling, tuple(images), on_tokens))
+
+    def refuses_images(self) -> str | None:
+        """Why this engine takes no images (None: it takes them)."""
+        return None
+
+    @abstractmethod
+    async def _generate(self, call: Generation) -> GenerateResult: ...

@@ -34,10 +34,12 @@ import aiohttp
 import orjson
 
 from openforgerl.engines.base import (
+    EngineBase,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
     GenerateResult,
+    Generation,
     SamplingParams,
     TokenSink,
     completion_room,
@@ -154,7 +156,7 @@ class HTTPEngineOptions(TypedDict, total=False):
     client: aiohttp.ClientSession | None
 
 
-class HTTPEngine:
+class HTTPEngine(EngineBase):
     """An Engine over an inference server's HTTP API; subclasses supply the wire format.
 
     Args:
@@ -322,39 +324,26 @@ class HTTPEngine:
         """A parser for the events of the server's answer to `request_body` with `"stream": true`."""
         raise NotImplementedError
 
-    async def _before_generate(self, images: Sequence[Image]) -> None:
-        """What a server needs before a request is sent (vLLM: its model's name; it refuses images)."""
+    async def _before_generate(self) -> None:
+        """What a server needs before a request is sent (vLLM: its model's name)."""
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
-        await self._before_generate(images)
+    async def _generate(self, call: Generation) -> GenerateResult:
+        await self._before_generate()
         version, reloading = self._version, self._reloading
         # Cancelling this await closes the connection; the server aborts a request whose client left.
-        result = await self._generate(prompt_ids, sampling, images, on_tokens, version)
+        result = await self._post_generate(call, version)
         if (end := policy_version_end(version, reloading, self._version, self._reloading)) is not None:
             result.extra["policy_version_end"] = end
         return result
 
-    async def _generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image],
-        on_tokens: TokenSink | None,
-        version: int,
-    ) -> GenerateResult:
+    async def _post_generate(self, call: Generation, version: int) -> GenerateResult:
         """One generation request: a plain POST (cheaper) unless the caller wants the tokens as they come."""
-        body = self.request_body(prompt_ids, sampling, images)
-        if on_tokens is None:
+        body = self.request_body(call.prompt_ids, call.sampling, call.images)
+        if call.on_tokens is None:
             r = await self._request("POST", self.generate_path, data=orjson.dumps(body))
             return self.parse_response(r.content, version)
         body["stream"] = True
-        return await self._stream(orjson.dumps(body), on_tokens, self.stream_parser(version))
+        return await self._stream(orjson.dumps(body), call.on_tokens, self.stream_parser(version))
 
     async def _stream(self, body: bytes, on_tokens: TokenSink, parser: StreamParser) -> GenerateResult:
         """POST a streaming request and fold its events into a GenerateResult, handing each event's

@@ -59,8 +59,8 @@ from openforgerl.engines.base import (
     EngineError,
     EngineUnavailable,
     GenerateResult,
+    Generation,
     SamplingParams,
-    TokenSink,
 )
 from openforgerl.engines.http import HTTPEngine, HTTPEngineOptions, error_message, retry_after
 from openforgerl.images import Image
@@ -162,21 +162,14 @@ class SGLangEngine(HTTPEngine):
     def stream_parser(self, policy_version: int) -> GenerateStream:
         return GenerateStream(policy_version)
 
-    async def _generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image],
-        on_tokens: TokenSink | None,
-        version: int,
-    ) -> GenerateResult:
+    async def _post_generate(self, call: Generation, version: int) -> GenerateResult:
         try:
-            return await super()._generate(prompt_ids, sampling, images, on_tokens, version)
+            return await super()._post_generate(call, version)
         except _NoRoomForMaxTokens as e:
             if self.max_context == e.max_context:
                 raise  # already clamped to what we knew: do not loop
             self.max_context = e.max_context
-            return await super()._generate(prompt_ids, sampling, images, on_tokens, version)
+            return await super()._post_generate(call, version)
 
     async def _update_weights(self, path: str) -> None:
         """`POST /update_weights_from_disk`; SGLang flushes its radix cache itself."""

@@ -59,13 +59,13 @@ from transformers.cache_utils import DynamicLayer
 from openforgerl.engines import transformers_prefill as prefill
 from openforgerl.engines.base import (
     PREFIX_CACHE_MB,
+    EngineBase,
     EngineError,
     EngineOverloaded,
     EngineUnavailable,
     FinishReason,
     GenerateResult,
-    SamplingParams,
-    TokenSink,
+    Generation,
     completion_room,
 )
 from openforgerl.engines.decode_attention import use_grouped_decode
@@ -102,7 +102,7 @@ PREFILL_CHUNK_TOKENS = 2048
 MIN_PREFILL_CHUNK = 256
 
 
-class TransformersEngine:
+class TransformersEngine(EngineBase):
     """The Engine protocol over a local HF causal-LM directory (CPU or CUDA).
 
     `max_queue` bounds the requests waiting for a batch slot (not those already decoding). A
@@ -241,18 +241,12 @@ class TransformersEngine:
         if self._thread is None or self._closing:
             raise EngineUnavailable("transformers engine is not running")
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
+    def refuses_images(self) -> str | None:
+        return None if self.processor is not None else f"the model in {self.model_dir} takes no images"
+
+    async def _generate(self, call: Generation) -> GenerateResult:
         self._check_running()
-        if images and self.processor is None:
-            raise EngineError(f"the model in {self.model_dir} takes no images")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
+        prompt_ids, sampling, images = call.prompt_ids, call.sampling, call.images
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise EngineError(f"prompt ids must lie in [0, {self.vocab_size})")
         vision = await self._vision_inputs(prompt_ids, images) if self.processor else None
@@ -264,14 +258,14 @@ class TransformersEngine:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         loop = asyncio.get_running_loop()
         req = Request(
-            prompt_ids=list(prompt_ids),
+            prompt_ids=prompt_ids,
             sampling=sampling,
             max_tokens=max_tokens,
             loop=loop,
             future=loop.create_future(),
             generator=generator,
             vision=vision,
-            on_tokens=on_tokens,
+            on_tokens=call.on_tokens,
         )
         with self._cond:
             if self._closing:

@@ -265,14 +265,15 @@ class VLLMEngine(HTTPEngine):
     def _bad_request(self, message: str) -> EngineError | None:
         return _context_error(message)
 
-    async def _before_generate(self, images: Sequence[Image]) -> None:
-        if images:
-            # /v1/completions takes a token prompt or text, never images with it; the chat endpoint
-            # would re-render the conversation and break the exact-ids record.
-            raise EngineError(
-                "the vLLM engine sends token prompts to /v1/completions, which takes no images; "
-                "serve a vision-language policy with the builtin or sglang engine"
-            )
+    def refuses_images(self) -> str | None:
+        # /v1/completions takes a token prompt or text, never images with it; the chat endpoint
+        # would re-render the conversation and break the exact-ids record.
+        return (
+            "the vLLM engine sends token prompts to /v1/completions, which takes no images; "
+            "serve a vision-language policy with the builtin or sglang engine"
+        )
+
+    async def _before_generate(self) -> None:
         if self.model is None:
             await self._discover_model()
 

@@ -75,7 +75,7 @@ def rejection_sampling_data(
     concurrency: int = 8,
     progress: bool = True,
     harness: str = "react",
-    engine: Engine | None = None,
+    engine: Engine | str | None = None,
 ) -> RejectionSamples:
     """RFT's data: `group` rollouts of each of `n_tasks` train tasks by the student in `model_dir`,
     the samples of those that passed. The tasks are the split less its first `skip_tasks` (as RL's
@@ -85,8 +85,8 @@ def rejection_sampling_data(
     store, the runner's state (a rerun finishes an interrupted run without redoing a rollout), the
     kept samples (samples.jsonl, for `load_sft_data`) and the counts (summary.json).
 
-    `engine`: the engine behind the gateway (None: the built-in engine on `model_dir`; a scripted
-    one in tests)."""
+    `engine`: the engine behind the gateway, or its spec (None: the built-in engine on `model_dir`;
+    a scripted one in tests)."""
     from openforgerl.rl.loop import recorded_rollouts
     from openforgerl.rl.runs import run_tasks, step_tasks, training_tasks
     from openforgerl.rl.sft import write_samples

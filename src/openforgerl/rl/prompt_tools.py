@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from openforgerl.engines.base import GenerateResult, SamplingParams, TokenSink
+from openforgerl.engines.base import EngineBase, GenerateResult, Generation, SamplingParams
 from openforgerl.images import Image
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -143,7 +143,7 @@ def text_reply(
     return GenerateResult(ids, [logprob] * len(ids), "length", version)
 
 
-class TextReplyEngine:
+class TextReplyEngine(EngineBase):
     """An Engine (engines/base.py) whose every answer is text from `reply(prompt text)`, returned
     as a model would have sampled it (`text_reply`): the rule-based policies' common part.
     Subclasses set `tokenizer` and `end_id`, and write `reply`; `see` is shown each prompt."""
@@ -171,13 +171,7 @@ class TextReplyEngine:
     def see(self, prompt: str, images: Sequence[Image]) -> None:
         """Called with each prompt (decoded, special tokens kept) and its images before `reply`."""
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
-        prompt = str(self.tokenizer.decode(prompt_ids, skip_special_tokens=False))
-        self.see(prompt, images)
-        return text_reply(self.tokenizer, self.end_id, self.reply(prompt), sampling, self._version)
+    async def _generate(self, call: Generation) -> GenerateResult:
+        prompt = str(self.tokenizer.decode(call.prompt_ids, skip_special_tokens=False))
+        self.see(prompt, call.images)
+        return text_reply(self.tokenizer, self.end_id, self.reply(prompt), call.sampling, self._version)

@@ -17,7 +17,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from openforgerl.engines.base import EngineError, FinishReason, GenerateResult, SamplingParams, TokenSink
+from openforgerl.engines.base import (
+    EngineBase,
+    EngineError,
+    FinishReason,
+    GenerateResult,
+    Generation,
+    SamplingParams,
+)
 from openforgerl.images import Image
 
 
@@ -50,7 +57,7 @@ ScriptFn = Callable[[ScriptRequest], ScriptItem]
 DEFAULT_COMPLETION: tuple[int, ...] = tuple(range(100, 116))
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     """An Engine that replays scripted completions.
 
     Args:
@@ -135,15 +142,10 @@ class ScriptedEngine:
             return self._queue.popleft()
         return self.completion
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
+    async def _generate(self, call: Generation) -> GenerateResult:
         """Images are accepted (a script stands in for any model) and shown to the script in its request."""
-        item = self._next_item(prompt_ids, sampling, images)
+        sampling, on_tokens = call.sampling, call.on_tokens
+        item = self._next_item(call.prompt_ids, sampling, call.images)
         self.calls += 1
         if isinstance(item, BaseException):
             raise item

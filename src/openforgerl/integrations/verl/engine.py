@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from openforgerl.engines.base import (
+    EngineBase,
     EngineError,
     EngineUnavailable,
     FinishReason,
     GenerateResult,
+    Generation,
     SamplingParams,
-    TokenSink,
 )
-from openforgerl.images import Image
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: 61-bit polynomial hashes of token prefixes
 _BASE = 1_000_003
@@ -102,7 +102,7 @@ class StickyRequestIds:
         return len(self._tips)
 
 
-class VerlServerEngine:
+class VerlServerEngine(EngineBase):
     """Our Engine over veRL's server manager (see the module doc).
 
     Args:
@@ -165,28 +165,22 @@ class VerlServerEngine:
             params["seed"] = sampling.seed
         return params
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        images: Sequence[Image] = (),
-        on_tokens: TokenSink | None = None,
-    ) -> GenerateResult:
-        if images:
-            raise EngineError("the veRL engine does not pass images to veRL's servers yet")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
+    def refuses_images(self) -> str | None:
+        return "the veRL engine does not pass images to veRL's servers yet"
+
+    async def _generate(self, call: Generation) -> GenerateResult:
+        prompt_ids, sampling = call.prompt_ids, call.sampling
         if self.loop.is_closed() or not self.loop.is_running():
             raise EngineUnavailable("the veRL agent-loop worker's event loop is not running")
         route = self.routes.route(prompt_ids)
         params = self.verl_params(sampling)
-        call = self.server_manager.generate(
-            route.request_id, prompt_ids=list(prompt_ids), sampling_params=params
+        request = self.server_manager.generate(
+            route.request_id, prompt_ids=prompt_ids, sampling_params=params
         )
         try:
-            future = asyncio.run_coroutine_threadsafe(call, self.loop)
+            future = asyncio.run_coroutine_threadsafe(request, self.loop)
         except RuntimeError as exc:  # the loop closed in between
-            call.close()
+            request.close()
             raise EngineUnavailable(f"the veRL agent-loop worker's event loop is gone: {exc}") from exc
         try:
             out = await asyncio.wrap_future(future)
