@@ -38,7 +38,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from openforgerl.gateway.export import ExportCounts, branch_paths, selected_rollouts
+from openforgerl.gateway.export import CLOSED, ExportCounts, Selection, branch_paths, selected_rollouts
 from openforgerl.images import Image, image_from_bytes
 from openforgerl.store import RolloutRow, Store, public_calls
 
@@ -359,23 +359,16 @@ def message_digests(path: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 async def export_atif(
-    store: Store,
-    out: Path,
-    *,
-    run_id: str | None = None,
-    min_reward: float | None = None,
-    statuses: Sequence[str] = ("closed",),
-    include_side_requests: bool = False,
-    token_ids: bool = True,
+    store: Store, out: Path, selection: Selection = CLOSED, *, token_ids: bool = True
 ) -> ExportCounts:
     """Write each selected rollout's branches to `out/<rollout_id>/`: the first as trajectory.json,
     the others as trajectory.branch-<branch_id>.json, their images in images/. `counts.rows`
     counts trajectories."""
     counts = ExportCounts()
-    async for r in selected_rollouts(store, counts, run_id=run_id, min_reward=min_reward, statuses=statuses):
+    async for r in selected_rollouts(store, counts, selection):
         paths = []
         for path in branch_paths(public_calls(await store.calls(r.id), tokens=token_ids)):
-            if include_side_requests or not path[-1]["side_request"]:
+            if selection.include_side_requests or not path[-1]["side_request"]:
                 paths.append(path)
             else:
                 counts.skip("side request")

@@ -37,14 +37,17 @@ def selection(fn: F) -> F:
 
 
 def export(write: Callable[..., Any], what: str, store_path: str, out: str, **kw: Any) -> None:
-    """`write(store, Path(out), **kw)` on the store, then one line: how many `what` it wrote, from
-    how many rollouts, and what it left out."""
+    """`write(store, Path(out), Selection(the selection's options), **the others)` on the store,
+    then one line: how many `what` it wrote, from how many rollouts, and what it left out."""
+    from openforgerl.gateway.export import Selection
     from openforgerl.store import Store
+
+    chosen = Selection(**{name: kw.pop(name) for name in Selection.__dataclass_fields__})
 
     async def run() -> Any:
         store = Store(store_path)
         try:
-            return await write(store, Path(out), **kw)
+            return await write(store, Path(out), chosen, **kw)
         finally:
             await store.close()
 

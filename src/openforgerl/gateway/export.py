@@ -128,48 +128,49 @@ def inline_images(row: dict[str, Any], images: Mapping[str, Image]) -> dict[str,
     return {**row, "messages": messages}
 
 
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which recorded rollouts, and which of their branches, an export writes (the options that
+    `openforge export-sft` and `export-atif` share)."""
+
+    run_id: str | None = None  # only this run's
+    min_reward: float | None = None  # only rollouts rewarded at least this
+    statuses: Sequence[str] = ("closed",)  # none: every status
+    include_side_requests: bool = False  # titles, routers and other side calls too
+
+    def takes(self, r: RolloutRow) -> bool:
+        if self.statuses and r.status not in self.statuses:
+            return False
+        return self.min_reward is None or (r.reward is not None and r.reward >= self.min_reward)
+
+
+CLOSED = Selection()  # an export's default: every closed rollout, side requests left out
+
+
 async def selected_rollouts(
-    store: Store,
-    counts: ExportCounts,
-    *,
-    run_id: str | None = None,
-    min_reward: float | None = None,
-    statuses: Sequence[str] = ("closed",),
+    store: Store, counts: ExportCounts, selection: Selection
 ) -> AsyncIterator[RolloutRow]:
-    """The store's rollouts that pass an export's filters, page by page, each counted."""
+    """The store's rollouts that `selection` takes, page by page, each counted."""
     offset, page = 0, 500
     while True:
-        rollouts = await store.list_rollouts(run_id=run_id, limit=page, offset=offset)
+        rollouts = await store.list_rollouts(run_id=selection.run_id, limit=page, offset=offset)
         offset += len(rollouts)
         for r in rollouts:
-            if statuses and r.status not in statuses:
-                continue
-            if min_reward is not None and (r.reward is None or r.reward < min_reward):
-                continue
-            counts.rollouts += 1
-            yield r
+            if selection.takes(r):
+                counts.rollouts += 1
+                yield r
         if len(rollouts) < page:
             return
 
 
-async def export_sft(
-    store: Store,
-    out: Path,
-    *,
-    run_id: str | None = None,
-    min_reward: float | None = None,
-    statuses: Sequence[str] = ("closed",),
-    include_side_requests: bool = False,
-) -> ExportCounts:
-    """Write the chat rows of the store's rollouts that pass the filters to `out` (JSONL)."""
+async def export_sft(store: Store, out: Path, selection: Selection = CLOSED) -> ExportCounts:
+    """Write the chat rows of the rollouts `selection` takes to `out` (JSONL)."""
     counts = ExportCounts()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
-        async for r in selected_rollouts(
-            store, counts, run_id=run_id, min_reward=min_reward, statuses=statuses
-        ):
+        async for r in selected_rollouts(store, counts, selection):
             for row in chat_rows(
-                r, await store.calls(r.id), counts, include_side_requests=include_side_requests
+                r, await store.calls(r.id), counts, include_side_requests=selection.include_side_requests
             ):
                 digests = row_digests(row)
                 if digests:
