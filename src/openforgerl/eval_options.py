@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from openforgerl.engines.base import engine_setting
-from openforgerl.rollouts.settings import OnFailure, RolloutSettings, RunNetwork, timeout_multiplier_setting
+from openforgerl.rollouts.settings import (
+    OnFailure,
+    RolloutSettings,
+    RunNetwork,
+    harness_setting,
+    temperature_setting,
+    timeout_multiplier_setting,
+)
 from openforgerl.sandbox.choice import BackendChoice
 from openforgerl.settings import setting
 
@@ -26,11 +33,9 @@ class EvalOptions:
         help="A suite (tools-tiny, tools-tiny-faults, tools-tiny-reworded, claw-basic, web-basic), a task "
         "file/dir, or harbor:DIR (Harbor task folders; found by themselves in a dir without task files)."
     )
-    harness: str = setting(
-        "react",
-        "react (the built-in tool-calling loop), gui (a browser agent on screenshots, web-basic) or an "
-        "agent CLI. eval takes several, comma-separated: the harness study (one side-by-side report). "
-        "A task's own harness wins.",
+    harness: str = harness_setting(
+        ". eval takes several, comma-separated: the harness study (one side-by-side report). A task's "
+        "own harness wins"
     )
     k: int = setting(1, "pass@k and pass^k for k = 1..K.", low=1)
     n: int | None = setting(None, "Runs per task (at least k; none: k).", low=1)
@@ -43,7 +48,7 @@ class EvalOptions:
     max_tokens: int = setting(256, "Tokens per model call.", low=1)
     max_turns: int = setting(12, "ReAct harness turns.", low=1)
     max_steps: int | None = setting(None, "GUI harness steps, e.g. 15, 50, 100 (none: the task's).", low=1)
-    temperature: float = setting(1.0, "Sampling temperature (embedded gateway; 0: greedy).", low=0)
+    temperature: float = temperature_setting(1.0, "every run (embedded gateway; 0: greedy)", greedy=True)
     seed: int | None = setting(
         None,
         "Seeded sampling: every run of a task samples from its own seed, so the same weights give the "

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from openforgerl.engines.base import engine_setting
-from openforgerl.rollouts.settings import timeout_multiplier_setting
+from openforgerl.rollouts.settings import harness_setting, temperature_setting, timeout_multiplier_setting
 from openforgerl.settings import setting
 
 if TYPE_CHECKING:
@@ -30,10 +30,7 @@ class DemoConfig:
     seed: int = setting(
         0, "Seed of the model made locally, the SFT shuffle, the RL run and every evaluation's sampling."
     )
-    harness: str = setting(
-        "react",
-        "react (the built-in loop) or an agent CLI (mini-swe-agent, pi...): every phase runs inside it.",
-    )
+    harness: str = harness_setting(": every phase runs inside it")
     size: Literal["tiny", "small"] = setting(
         "tiny", "The size of the student made locally.", choices=("tiny", "small")
     )
@@ -103,11 +100,8 @@ class DemoConfig:
     eval_tasks: int | None = setting(None, "Held-out tasks evaluated (none: all 50).", low=1)
     # At 2 runs a task, one model's pass@1 ranged 0.24-0.37 over reruns.
     eval_n: int = setting(4, "Sampled runs per held-out task.", low=1)
-    temperature: float = setting(
-        0.7,
-        "Sampling temperature of the RL rollouts (and the trainer's logprobs) and of every evaluation.",
-        low=0,
-        low_open=True,
+    temperature: float = temperature_setting(
+        0.7, "the RL rollouts (and the trainer's logprobs) and of every evaluation"
     )
     # RL's gain showed there first (seed 2, 120 GRPO steps: greedy 0.62 -> 0.72 while sampled pass@1
     # stayed at 0.56); a quarter of the cost.
