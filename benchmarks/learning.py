@@ -226,6 +226,7 @@ def one_seed(cfg: demo.DemoConfig, with_baselines: tuple[str, ...], baseline_lr:
         "headroom": report.get("headroom"),
         "behaviour": {k: v.get("behaviour") for k, v in ev.items()},
         "rl_steps": report["rl_steps"],
+        "config": {k: getattr(cfg, k) for k in sorted(MEASUREMENT_ONLY)},
     }
     if with_baselines or (cfg.out / "baselines").is_dir():  # without them, what an earlier run measured
         row["baselines"] = baselines(cfg, baseline_lr, seconds, names=with_baselines)
@@ -315,6 +316,35 @@ def markdown(seeds: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Settings that change what is measured or how fast, not the recipe: seeds measured with other
+# values of these may be pooled (each seed's row keeps its own, under "config").
+MEASUREMENT_ONLY = {"engine", "concurrency", "timeout_multiplier", "reworded_eval", "greedy_eval"}
+
+
+def earlier_seeds(files: list[Path], settings: dict[str, Any], here: set[int]) -> list[dict[str, Any]]:
+    """The seeds of earlier results (`--with`) not run here, each row marked with its file and the
+    measurement settings it ran with; an earlier recipe unlike this run's is refused, naming what differs."""
+    rows = []
+    for path in files:
+        earlier = json.loads(path.read_text())
+        theirs = earlier["config"]
+        differ = {
+            k: (theirs.get(k), v)
+            for k, v in settings.items()
+            if k not in MEASUREMENT_ONLY and k in theirs and theirs[k] != v
+        }
+        if differ:
+            said = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in sorted(differ.items()))
+            raise SystemExit(f"--with {path}: another recipe ({said})")
+        for row in earlier["seeds"]:
+            if row["seed"] not in here:
+                # A setting the earlier run did not record did not exist yet: it ran as its default.
+                measured = {k: theirs.get(k, getattr(demo.DemoConfig(), k)) for k in sorted(MEASUREMENT_ONLY)}
+                rows.append({**row, "from": str(path), "config": row.get("config", measured)})
+                here.add(row["seed"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -341,6 +371,16 @@ def main() -> None:
         help="a run folder whose model, teacher, SFT model and their evaluations the seed's folder "
         "starts from (copied when that folder is new; one seed): RL recipes from one SFT model",
     )
+    ap.add_argument(
+        "--with",
+        dest="earlier",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="RESULT",
+        help="an earlier result of this benchmark (another session or machine) whose seeds join this "
+        "run's in the summary; its recipe must be this run's (a seed run here wins)",
+    )
     ap.add_argument("--runs", type=Path, default=Path("benchmarks/results/learning-runs"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/learning.json"))
     args = ap.parse_args()
@@ -357,9 +397,12 @@ def main() -> None:
             start_from(args.start_from, cfg.out)
         seeds.append(one_seed(cfg, names, args.baseline_lr))
         print(f"seed {seed}: RL - SFT pass@1 {_paired(seeds[-1]['rl_minus_sft']['pass@1'])}", flush=True)
-    summary = summarize(seeds)
     cfg = config(args.seeds[0], args.runs, recipe, args.faults, args.set)
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in {"out", "seed", "progress"}}
+    settings = json.loads(json.dumps(settings, default=str))
+    seeds += earlier_seeds(args.earlier, settings, {s["seed"] for s in seeds})
+    seeds.sort(key=lambda s: s["seed"])
+    summary = summarize(seeds)
     result = {
         "config": {
             **settings,
