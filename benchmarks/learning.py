@@ -259,8 +259,9 @@ def summarize(seeds: list[dict[str, Any]]) -> dict[str, Any]:
             add(f"{name}/{metric}", [g.get(metric) for g in got])
             add(f"rl_minus_{name}/{metric}", [_est(g.get("rl_minus_it", {}).get(metric)) for g in got])
     phases = sorted({p for s in seeds for p in s["seconds"]})
+    # Over the seeds that ran the phase (an earlier result may lack one, e.g. its baselines).
     summary["seconds_median"] = {
-        p: statistics.median([s["seconds"].get(p, 0.0) for s in seeds]) for p in phases
+        p: statistics.median([s["seconds"][p] for s in seeds if p in s["seconds"]]) for p in phases
     }
     summary["total_seconds_median"] = statistics.median([s["total_seconds"] for s in seeds])
     return summary
