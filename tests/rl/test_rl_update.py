@@ -160,6 +160,22 @@ def test_one_step_moves_each_rollout_the_way_its_advantage_says(tiny_model_dir: 
     assert m["update/logp_change_neg"] < 0 and m["time/measure_update"] >= 0
 
 
+def test_the_update_is_measured_on_a_sample_of_each_sign(tiny_model_dir: Path, sampled: Any) -> None:
+    """With `measure_update_rollouts` below the step's trained rollouts, the trainer re-scores that
+    many, half of each sign, and its figures are those of the rollouts it drew: every per-rollout
+    change it averages is one the test measured for a rollout of that sign."""
+    moves = one_step(tiny_model_dir, sampled, cfg=TrainerConfig(lr=LR, measure_update_rollouts=4))
+    m = moves.metrics
+    assert m["update/measured_rollouts"] == 4 < len(moves.trained)
+    pos = [c for adv, c, _ in moves.trained if adv > 0]
+    neg = [c for adv, c, _ in moves.trained if adv < 0]
+    # Two of each sign: their mean lies between the least and the most the test saw of that sign.
+    assert min(pos) - 1e-3 <= m["update/logp_change_pos"] <= max(pos) + 1e-3
+    assert min(neg) - 1e-3 <= m["update/logp_change_neg"] <= max(neg) + 1e-3
+    assert m["update/direction_agreement"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert one_step(tiny_model_dir, sampled).metrics["update/measured_rollouts"] == len(moves.trained)
+
+
 @pytest.mark.filterwarnings("ignore:precision bf16")  # emulated where the CPU lacks bf16 (the next test)
 def test_bf16_autocast_on_the_cpu_keeps_the_update_right_and_the_weights_fp32(
     tiny_model_dir: Path, sampled: Any

@@ -149,6 +149,14 @@ class TrainerConfig:
         "After each step's updates, re-score the trained rollouts with the new weights and report "
         "how their log-likelihood moved (update/... metrics).",
     )
+    # The re-scoring is a forward pass over what it re-scores: over every trained rollout it cost
+    # 21-23% of a SmolLM2 step's update (issue #34); a sample of each sign gives the same metrics.
+    measure_update_rollouts: int = setting(
+        16,
+        "With measure_update: re-score at most this many of the step's trained rollouts, half with "
+        "positive and half with negative advantages where there are (drawn with the run's seed; 0: all).",
+        low=0,
+    )
     # The optimizer and the saved checkpoint stay fp32. On a GPU the forward always runs under bf16
     # autocast; on a CPU with AVX512_BF16 "bf16" doubles the matmul peak (benchmarks/rl_throughput.py)
     # at the price of logprobs that differ from a fp32 engine's by ~1e-2 per token, which the

@@ -10,8 +10,8 @@ Losses and importance weights come from veRL (`openforgerl.rl.algos`).
 Besides veRL's metrics, a step reports the policy's entropy on the trained tokens (from the same
 forward pass), the rollout policy's (`sampled_nll`, from the engine's logprobs of every scored
 rollout), the PPO ratio when there is more than one update, and with `measure_update`, how the
-update moved each trained rollout's log-likelihood (`update/...`: up for positive advantages, down
-for negative ones, re-scored with the new weights).
+update moved the trained rollouts' log-likelihood (`update/...`: up for positive advantages, down
+for negative ones, re-scored with the new weights; a sample of each sign on a large step).
 
 Current logprobs are recomputed by the policy under training (`rl/policy.py` Policy: model,
 tokenizer, optimizer, micro-batches, LoRA, vision inputs) at the run's sampling temperature. The
@@ -300,33 +300,49 @@ class Trainer:
     def _update_effect(
         self, kept: Sequence[Rollout], advantages: Sequence[float], before: dict[int, float]
     ) -> dict[str, float]:
-        """How the step's updates moved each trained rollout's log-likelihood (summed over its loss
-        tokens): mean change per rollout and per token for positive and negative advantages, and the
-        fraction of rollouts (advantage != 0) that moved the way their advantage says."""
+        """How the step's updates moved the trained rollouts' log-likelihood (summed over their loss
+        tokens), over those with an advantage != 0 or a sample of them (`measure_update_rollouts`):
+        mean change per rollout and per token for positive and negative advantages, and the fraction
+        that moved the way their advantage says."""
         trained = [
-            (r, a) for r, a in zip(kept, advantages, strict=True) if any(s.num_loss_tokens for s in r.samples)
+            (r, a)
+            for r, a in zip(kept, advantages, strict=True)
+            if a != 0 and any(s.num_loss_tokens for s in r.samples)
         ]
+        trained = self._measured(trained)
         samples = [s for r, _ in trained for s in r.samples if s.num_loss_tokens]
         after = dict(zip(map(id, samples), self.sequence_logprobs(samples), strict=True))
         moves: dict[str, list[tuple[float, int]]] = {"pos": [], "neg": []}
-        agree = signed = 0
+        agree = 0
         for r, adv in trained:
             own = [s for s in r.samples if s.num_loss_tokens]
             change = sum(after[id(s)] - before[id(s)] for s in own)
-            if adv != 0:
-                moves["pos" if adv > 0 else "neg"].append((change, sum(s.num_loss_tokens for s in own)))
-                signed += 1
-                agree += change * adv > 0
-        out: dict[str, float] = {}
+            moves["pos" if adv > 0 else "neg"].append((change, sum(s.num_loss_tokens for s in own)))
+            agree += change * adv > 0
+        out: dict[str, float] = {"update/measured_rollouts": len(trained)}
         for sign, rows in moves.items():
             if rows:
                 out[f"update/logp_change_{sign}"] = sum(c for c, _ in rows) / len(rows)
                 out[f"update/logp_change_{sign}_per_token"] = sum(c for c, _ in rows) / sum(
                     n for _, n in rows
                 )
-        if signed:
-            out["update/direction_agreement"] = agree / signed
+        if trained:
+            out["update/direction_agreement"] = agree / len(trained)
         return out
+
+    def _measured(self, trained: list[tuple[Rollout, float]]) -> list[tuple[Rollout, float]]:
+        """At most `measure_update_rollouts` of `trained`: as many of each advantage sign as there
+        are up to half the budget, the rest of it from the other sign, drawn with the step's seed."""
+        budget = self.cfg.measure_update_rollouts
+        if not budget or len(trained) <= budget:
+            return trained
+        rng = random.Random(self.seed * 100_003 + self.step + 7)
+        pos = [t for t in trained if t[1] > 0]
+        neg = [t for t in trained if t[1] < 0]
+        rng.shuffle(pos)
+        rng.shuffle(neg)
+        n_pos = min(len(pos), max(budget // 2, budget - len(neg)))
+        return pos[:n_pos] + neg[: budget - n_pos]
 
     def _update(self, samples: list[Sample]) -> tuple[dict[str, float], dict[int, float]]:
         """The step's optimizer updates on `samples`: their metrics, and each sample's summed
