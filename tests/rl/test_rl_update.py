@@ -162,8 +162,8 @@ def test_one_step_moves_each_rollout_the_way_its_advantage_says(tiny_model_dir: 
 
 def test_the_update_is_measured_on_a_sample_of_each_sign(tiny_model_dir: Path, sampled: Any) -> None:
     """With `measure_update_rollouts` below the step's trained rollouts, the trainer re-scores that
-    many, half of each sign, and its figures are those of the rollouts it drew: every per-rollout
-    change it averages is one the test measured for a rollout of that sign."""
+    many, half of each sign, and its means of each sign lie within what the test measured for the
+    rollouts of that sign; by default (16) it re-scores all 16 of this step."""
     moves = one_step(tiny_model_dir, sampled, cfg=TrainerConfig(lr=LR, measure_update_rollouts=4))
     m = moves.metrics
     assert m["update/measured_rollouts"] == 4 < len(moves.trained)

@@ -149,8 +149,9 @@ class TrainerConfig:
         "After each step's updates, re-score the trained rollouts with the new weights and report "
         "how their log-likelihood moved (update/... metrics).",
     )
-    # The re-scoring is a forward pass over what it re-scores: over every trained rollout it cost
-    # 21-23% of a SmolLM2 step's update (issue #34); a sample of each sign gives the same metrics.
+    # The re-scoring is a forward pass over what it re-scores: over every trained rollout it was
+    # 23-27% of a SmolLM2 step's trainer time (issue #34); a sample of each sign estimates the same
+    # figures for about half of that.
     measure_update_rollouts: int = setting(
         16,
         "With measure_update: re-score at most this many of the step's trained rollouts, half with "
