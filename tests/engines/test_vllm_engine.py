@@ -1109,8 +1109,10 @@ def test_reload_of_a_tied_embedding(
 def test_reload_during_generation_is_flagged(vllm_server: Server, prompt: list[int]) -> None:
     async def go(eng: VLLMEngine) -> tuple[GenerateResult, int]:
         task = asyncio.create_task(eng.generate(prompt, SamplingParams(max_tokens=1500, seed=1)))
-        # Reload while it generates: an idle CPU samples the 1,500 tokens in under a second.
-        await asyncio.sleep(0.05)
+        # Reload while it generates: the task runs to its first request and the reload starts at
+        # once. A fixed wait raced the generation: an idle CPU sampled this tiny model's 1,500
+        # tokens before 50 ms were up, and the reload came after it (a CI run, 2026-12-07).
+        await asyncio.sleep(0)
         version = await eng.load_weights(str(vllm_server.model_dir))  # same weights, new version
         return await task, version
 
