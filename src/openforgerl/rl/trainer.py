@@ -330,13 +330,18 @@ class Trainer:
             out["update/direction_agreement"] = agree / len(trained)
         return out
 
+    def _step_rng(self, stream: int) -> random.Random:
+        """A generator for this seed and step; each use draws its own `stream`, so that adding one
+        (or drawing more from it) leaves the others' draws, and so the run's figures, unchanged."""
+        return random.Random(self.seed * 100_003 + self.step + stream)
+
     def _measured(self, trained: list[tuple[Rollout, float]]) -> list[tuple[Rollout, float]]:
         """At most `measure_update_rollouts` of `trained`: as many of each advantage sign as there
         are up to half the budget, the rest of it from the other sign, drawn with the step's seed."""
         budget = self.cfg.measure_update_rollouts
         if not budget or len(trained) <= budget:
             return trained
-        rng = random.Random(self.seed * 100_003 + self.step + 7)
+        rng = self._step_rng(stream=7)
         pos = [t for t in trained if t[1] > 0]
         neg = [t for t in trained if t[1] < 0]
         rng.shuffle(pos)
@@ -348,7 +353,7 @@ class Trainer:
         """The step's optimizer updates on `samples`: their metrics, and each sample's summed
         loss-token logprob before them (keyed by id()), for `_update_effect`."""
         cfg = self.cfg
-        rng = random.Random(self.seed * 100_003 + self.step)
+        rng = self._step_rng(stream=0)
         n_mini = max(1, min(cfg.mini_batches, len(samples)))
         minis = []
         for _ in range(max(1, cfg.ppo_epochs)):  # each pass reshuffles the samples into mini-batches
