@@ -274,3 +274,23 @@ def test_a_pretrained_student_runs_the_whole_demo(tmp_path: Path, smollm2_dir: P
     assert report["sft"]["loss_after"] < report["sft"]["loss_before"]
     assert len(report["rl_steps"]) == 2
     assert "The pretrained smollm2-135m-instruct" in (tmp_path / "demo" / "report.md").read_text()
+
+
+def test_family_table_counts_each_task_set_apart() -> None:
+    """report.md's pass@1 per family: the header counts the held-out split's tasks, and a row of the
+    reworded set (other counts) says its own. The report is seed 1's SmolLM2 run of the recipe."""
+    from openforgerl.demo.markdown import render_markdown
+
+    report = json.loads((Path(__file__).parents[1] / "fixtures" / "demo_report_smollm2.json").read_text())
+    held_out = report["evaluations"]["rl"]["by_family"]
+    reworded = report["evaluations"]["rl-reworded"]["by_family"]
+    assert held_out["add"]["tasks"] != reworded["add"]["tasks"]  # what the table must keep apart
+    lines = render_markdown(report).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| model | add ("))
+    assert f"add ({held_out['add']['tasks']})" in lines[at]
+    rows = {line.split(" | ")[0]: line for line in lines[at + 2 : at + 2 + len(report["evaluations"])]}
+    assert f"| {held_out['add']['pass@1']:.2f} |" in rows["| after RL (GRPO)"]
+    assert (
+        f"| {reworded['add']['pass@1']:.2f} ({reworded['add']['tasks']}) |"
+        in rows["| after RL (GRPO), reworded tasks"]
+    )

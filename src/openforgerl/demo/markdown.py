@@ -118,20 +118,29 @@ def _gains(report: dict[str, Any]) -> list[str]:
     headroom = report.get("headroom")
     if headroom:
         lines += ["", f"The SFT policy before RL (train tasks, rl/headroom.json): {_headroom_line(headroom)}"]
-    tasks = {f: v["tasks"] for ev in evs.values() for f, v in ev.get("by_family", {}).items()}
-    if tasks:
+    families = sorted({f for ev in evs.values() for f in ev.get("by_family", {})})
+    # The header counts the first evaluation's tasks (the held-out split); another task set (the
+    # reworded one) has other counts, given in its cells.
+    first: dict[str, Any] = next((ev["by_family"] for ev in evs.values() if ev.get("by_family")), {})
+    if families:
         lines += [
             "",
-            "Held-out pass@1 per task family (its number of held-out tasks in brackets):",
+            "Held-out pass@1 per task family (its number of tasks in brackets):",
             "",
-            "| model | " + " | ".join(f"{f} ({n})" for f, n in sorted(tasks.items())) + " |",
-            "|---|" + "---:|" * len(tasks),
+            "| model | " + " | ".join(f"{f} ({first.get(f, {}).get('tasks', 0)})" for f in families) + " |",
+            "|---|" + "---:|" * len(families),
         ]
         for key, ev in evs.items():
-            cells = [ev.get("by_family", {}).get(f, {}).get("pass@1") for f in sorted(tasks)]
-            shown = ["—" if c is None else f"{c:.2f}" for c in cells]
+            shown = [_family_cell(ev.get("by_family", {}).get(f), first.get(f)) for f in families]
             lines.append(f"| {NAMES.get(key, key)} | " + " | ".join(shown) + " |")
     return lines
+
+
+def _family_cell(family: dict[str, Any] | None, header: dict[str, Any] | None) -> str:
+    if not family or family.get("pass@1") is None:
+        return "—"
+    cell = f"{family['pass@1']:.2f}"
+    return cell if header and family["tasks"] == header["tasks"] else f"{cell} ({family['tasks']})"
 
 
 def _steps(report: dict[str, Any]) -> list[str]:
