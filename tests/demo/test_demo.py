@@ -88,6 +88,23 @@ def test_demo_rl_settings_reach_the_trainer(tmp_path: Path) -> None:
     )
 
 
+def test_rl_varied_moves_rl_to_the_paraphrased_suite_and_leaves_the_teacher_on_tools_tiny(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from openforgerl.demo import command
+
+    args = (tmp_path / "sft", tmp_path / "rl", tmp_path / "t.jsonl")
+    assert demo.rl_options(demo.DemoConfig(), *args).tasks == "tools-tiny"
+    varied = demo.DemoConfig(rl_varied=True)
+    assert demo.rl_options(varied, *args).tasks == "tools-tiny-varied"
+    assert varied.train_suite == "tools-tiny"  # what the teacher solves for SFT
+    with pytest.raises(ValueError, match="choose one"):
+        demo.DemoConfig(rl_varied=True, faults=True)
+    monkeypatch.setattr(command.pipeline, "run", lambda cfg: pytest.fail("ran with contradicting settings"))
+    result = CliRunner().invoke(command.demo_cmd, ["--rl-varied", "--faults"])
+    assert result.exit_code == 2 and "choose one" in result.output
+
+
 def test_the_demos_engine_serves_rl_and_every_evaluation(tmp_path: Path, monkeypatch: Any) -> None:
     """`--engine vllm`: the GRPO run and each held-out evaluation start that engine, not the built-in one."""
     from openforgerl import evaluate

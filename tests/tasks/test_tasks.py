@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from openforgerl.tasks import (
     suite_names,
     verify_local,
 )
-from openforgerl.tasks.suites import tools_tiny, tools_tiny_reworded
+from openforgerl.tasks.suites import tools_tiny, tools_tiny_reworded, tools_tiny_varied
 
 GOOD = {"id": "t1", "instruction": "Write 1 to a.txt.", "split": "train", "verifier": {"command": "true"}}
 
@@ -353,6 +354,54 @@ def test_the_oracle_solves_every_tools_tiny_reworded_task(tmp_path: Path) -> Non
             else:
                 (work / call.arguments["path"]).write_text(call.arguments["content"])
         assert verify_local(task, work).reward == 1.0
+
+
+# -- tools-tiny-varied ---------------------------------------------------------------------------
+
+
+def _words(sentence: str) -> list[str]:
+    """The sentence's words without its file names (any list of files reads alike)."""
+    return re.sub(r"\{f\d\}('s)?", "", sentence).replace(",", "").split()
+
+
+def test_tools_tiny_varied_asks_the_train_tasks_in_turns_and_never_in_the_reworded_sets_words() -> None:
+    varied, plain = load_tasks("tools-tiny-varied"), load_tasks("tools-tiny")
+    assert varied == tools_tiny_varied.generate()
+    # The same tasks (ids, files, answers), held-out ones exactly tools-tiny's.
+    assert [(t.id, t.files, t.verifier) for t in varied] == [(t.id, t.files, t.verifier) for t in plain]
+    assert load_tasks("tools-tiny-varied", "heldout") == load_tasks("tools-tiny", "heldout")
+    for family, paraphrases in tools_tiny_varied.PARAPHRASES.items():
+        mine = [(v, p) for v, p in zip(varied, plain, strict=True) if v.metadata["family"] == family]
+        train = [(v, p) for v, p in mine if v.split == "train"]
+        # tools-tiny's sentence, then each paraphrase, in turn.
+        turns = [v.metadata.get("wording", 0) for v, _ in train[:8]]
+        assert turns == [0, 1, 2, 3, 0, 1, 2, 3], family
+        for v, p in train[:4]:
+            assert (v.instruction == p.instruction) == (v.metadata.get("wording", 0) == 0)
+            assert all(v.instruction.count(n) == 1 for n in v.metadata["inputs"]), v.instruction
+        # Never one of the held-out reworded sentences, nor 5 of its words in a row (file names aside).
+        for sentence in paraphrases:
+            words = _words(sentence)
+            runs = {tuple(words[i : i + 5]) for i in range(len(words) - 4)}
+            for held_out in tools_tiny_reworded.TEMPLATES[family]:
+                other = _words(held_out)
+                assert sentence != held_out
+                assert not runs & {tuple(other[i : i + 5]) for i in range(len(other) - 4)}, sentence
+
+
+def test_the_oracle_solves_tools_tiny_varied_tasks_in_every_wording(tmp_path: Path) -> None:
+    tasks = load_tasks("tools-tiny-varied", "train")[:28]
+    assert {(t.metadata["family"], t.metadata.get("wording", 0)) for t in tasks} == {
+        (f, w) for f in tools_tiny.FAMILIES for w in range(4)
+    }
+    for i, task in enumerate(tasks):
+        solution = tools_tiny.oracle(task)
+        work = tmp_path / str(i)
+        prepare_local(task, work)
+        for call in solution.calls:
+            if call.name == "write_file":
+                (work / call.arguments["path"]).write_text(call.arguments["content"])
+        assert verify_local(task, work).reward == 1.0, task.instruction
 
 
 def test_oracle_call_text_is_the_chat_template_format() -> None:

@@ -54,7 +54,10 @@ def demo_config(recipe: str | None, given: dict[str, Any]) -> DemoConfig:
 def demo_cmd(recipe: str | None, quick: bool, **kw: Any) -> None:
     if quick and recipe not in (None, "quick"):
         raise click.UsageError(f"--quick is --recipe quick: not with --recipe {recipe}")
-    cfg = demo_config("quick" if quick else recipe, given_settings(DemoConfig, kw))
+    try:
+        cfg = demo_config("quick" if quick else recipe, given_settings(DemoConfig, kw))
+    except ValueError as e:  # settings that contradict each other
+        raise click.UsageError(str(e)) from e
     report = pipeline.run(cfg)
     if cfg.until:
         click.echo(

@@ -20,6 +20,9 @@ REWORDED_SUITE = "tools-tiny-reworded"
 # GRPO trains on its train tasks, and every model is evaluated on its held-out tasks with the faults
 # (the headline: recovery, which clean demonstrations never show) and without (the control).
 FAULTS_SUITE = "tools-tiny-faults"
+# tools-tiny with its train tasks asked in tools-tiny's sentence or three paraphrases (none of them
+# tools-tiny-reworded's): what RL trains on with --rl-varied.
+VARIED_SUITE = "tools-tiny-varied"
 
 
 @dataclass
@@ -92,6 +95,13 @@ class DemoConfig:
         "trajectories (0: off).",
         low=0,
     )
+    # Issue #33: RL on tools-tiny's one sentence a family raised held-out pass@1 15 points and pass@1
+    # on tools-tiny-reworded 1. SFT stays on tools-tiny's sentence so that RL - SFT measures RL alone.
+    rl_varied: bool = setting(
+        False,
+        "RL trains on tools-tiny-varied: the train tasks asked in tools-tiny's sentence or in three "
+        "paraphrases (never tools-tiny-reworded's); the teacher's stay in tools-tiny's sentence.",
+    )
     headroom_tasks: int = setting(16, "Train tasks the starting policy is measured on before RL.", low=0)
     headroom_k: int = setting(8, "Runs per headroom task (pass@k).", low=1)
     rl_curriculum: bool = setting(
@@ -127,9 +137,19 @@ class DemoConfig:
         None, "Stop after this phase's evaluations (a rerun goes on).", choices=("sft",)
     )
 
+    def __post_init__(self) -> None:
+        if self.faults and self.rl_varied:
+            raise ValueError("--faults and --rl-varied each choose RL's tasks: choose one")
+
     @property
     def train_suite(self) -> str:
+        """The teacher's tasks."""
         return FAULTS_SUITE if self.faults else SUITE
+
+    @property
+    def rl_suite(self) -> str:
+        """GRPO's tasks (and the headroom's)."""
+        return VARIED_SUITE if self.rl_varied else self.train_suite
 
 
 QUICK: dict[str, object] = {
@@ -149,6 +169,8 @@ QUICK: dict[str, object] = {
 # in the demo"): SmolLM2 learns the format from 96 demonstrations in one epoch; 16 rollouts in
 # flight (48 a step). RL's rate, on seed 2's SFT model (RL - SFT held-out pass@1): 2e-6 moved the
 # held-out policy too little to show (+0.5), 1e-5 gave +7.0, 3e-5 broke families it had (-9.0).
+# Steps, over seeds 0-2: 5 gave +8.5/+14.5/+7.0 (seed 0's interval reached -1.5), 10 gave
+# +18.5/+18.0/+9.5, each interval above 0 (benchmarks/results/learning.json).
 SMOLLM2: dict[str, object] = {
     "pretrained": "smollm2-135m-instruct",
     "teacher_tasks": 96,
@@ -158,7 +180,7 @@ SMOLLM2: dict[str, object] = {
     "sft_batch": 8,
     "rl_lr": 1e-5,
     "rl_warmup": 0,
-    "rl_steps": 5,
+    "rl_steps": 10,
     "headroom_tasks": 8,
     "concurrency": 16,
 }
@@ -174,7 +196,7 @@ def rl_options(cfg: DemoConfig, sft_dir: Path, rl_dir: Path, teacher_file: Path)
     return TrainOptions(
         model=str(sft_dir),
         out=rl_dir,
-        tasks=cfg.train_suite,
+        tasks=cfg.rl_suite,
         harness=cfg.harness,
         steps=cfg.rl_steps,
         group=cfg.rl_group,

@@ -79,7 +79,7 @@ def build_report(
         "suite": SUITE,
         "harness": cfg.harness,
         "harness_version": ", ".join(sorted(versions)),
-        "train_suite": cfg.train_suite,
+        "train_suite": cfg.rl_suite,
         # RL's gain over SFT, paired by task (the evaluations' shared task difficulty drops out): the
         # headline on the clean held-out tasks, sampled and greedy; the same skills asked in other
         # words; and, with `faults`, the held-out tasks with their transient faults.

@@ -50,7 +50,7 @@ from openforgerl.tasks import Task
 from openforgerl.tasks.suites.tools_tiny import ANSWER_FILE, FAMILIES, oracle
 
 # The suites the teacher can solve (tools-tiny-reworded: held-out only, to check, never to train on).
-ORACLE_SUITES = ("tools-tiny", "tools-tiny-faults", "tools-tiny-reworded", "claw-basic")
+ORACLE_SUITES = ("tools-tiny", "tools-tiny-faults", "tools-tiny-reworded", "tools-tiny-varied", "claw-basic")
 _RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 REACT_TOOLS = {"read_file", "write_file", "submit"}
 # File tools an agent CLI may offer (lower-cased names), used when they take a relative `path`.

@@ -13,7 +13,13 @@ from pydantic import ValidationError
 from openforgerl.tasks.files import TaskError, jsonl_records
 from openforgerl.tasks.harbor import load_harbor, task_folders
 from openforgerl.tasks.schema import Split, Task
-from openforgerl.tasks.suites import CLAW_BASIC_DIR, tools_tiny, tools_tiny_reworded, web_basic
+from openforgerl.tasks.suites import (
+    CLAW_BASIC_DIR,
+    tools_tiny,
+    tools_tiny_reworded,
+    tools_tiny_varied,
+    web_basic,
+)
 from openforgerl.tasks.webbench import FORMATS as BENCHMARK_FORMATS
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml", ".jsonl")
@@ -148,5 +154,6 @@ def dump_tasks(tasks: Iterable[Task], path: str | Path) -> None:
 register_suite("tools-tiny", tools_tiny.generate)
 register_suite("tools-tiny-faults", lambda: tools_tiny.generate(faults=tools_tiny.FAULT_FRACTION))
 register_suite("tools-tiny-reworded", tools_tiny_reworded.generate)  # held-out only
+register_suite("tools-tiny-varied", tools_tiny_varied.generate)
 register_suite("claw-basic", lambda: load_task_file(CLAW_BASIC_DIR / "tasks.yaml"))
 register_suite("web-basic", web_basic.generate)
