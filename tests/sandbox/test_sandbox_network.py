@@ -354,6 +354,63 @@ def test_the_browser_loads_a_live_pages_resources_but_not_the_gateways(sites: tu
 # -- the GUI harness: environment failures ---------------------------------------------------------
 
 
+class NavigatingPage:
+    """A fake Playwright page (no Chromium needed) whose reads fail the way a navigation that
+    commits mid-read makes them fail, `failures` times, then read the new page."""
+
+    def __init__(self, failures: int, error: type[Exception]) -> None:
+        self.failures, self.error, self.settled = failures, error, 0
+        self.url = "http://127.0.0.1:1/next?step=2"
+
+    def on(self, *_: Any) -> None: ...
+    def wait_for_timeout(self, _: float) -> None: ...
+
+    def wait_for_load_state(self, *_: Any, **__: Any) -> None:
+        self.settled += 1
+
+    def screenshot(self, **_: Any) -> bytes:
+        return b"png of /next"
+
+    def title(self) -> str:
+        if self.failures:
+            self.failures -= 1
+            raise self.error("Page.title: Execution context was destroyed, most likely by a navigation")
+        return "Next"
+
+    def locator(self, _: str) -> Any:
+        return self
+
+    def aria_snapshot(self, **_: Any) -> str:
+        return "- paragraph: the next page"
+
+    def evaluate(self, _: str) -> str:
+        return "button Save (40, 20)"
+
+
+@pytest.mark.ui
+def test_a_navigation_during_the_observation_is_waited_for_not_a_browser_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from playwright.sync_api import Error, TimeoutError
+
+    from openforgerl.harnesses import gui_browser
+
+    access = Access("http://127.0.0.1:1/", "http://127.0.0.1:9/r/1", live=False)
+    page = NavigatingPage(failures=2, error=Error)
+    png, where, title, tree = gui_browser.Browser(page, 640, 480, access).observe(a11y=True)
+    assert (png, where, title, page.settled) == (b"png of /next", "/next?step=2", "Next", 2)
+    assert "paragraph: the next page" in tree and "Save (40, 20)" in tree
+    # A page that never stops failing is a browser error after the navigation timeout, and a
+    # timeout is one at once (it already waited).
+    monkeypatch.setattr(gui_browser, "NAV_TIMEOUT_S", 0.05)
+    with pytest.raises(Error, match="context was destroyed"):
+        gui_browser.Browser(NavigatingPage(failures=10**9, error=Error), 640, 480, access).observe(a11y=False)
+    stuck = NavigatingPage(failures=1, error=TimeoutError)
+    with pytest.raises(TimeoutError):
+        gui_browser.Browser(stuck, 640, 480, access).observe(a11y=False)
+    assert stuck.settled == 0
+
+
 def test_environment_failures_exit_with_the_infra_code(tmp_path: Path) -> None:
     base = ["--base-url", "http://127.0.0.1:9", "--api-key", "k", "--task", "t", "--workdir", str(tmp_path)]
     # The site did not start: it does not exist.

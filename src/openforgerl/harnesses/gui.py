@@ -275,13 +275,13 @@ def _loop(
     try:
         while True:
             t = time.monotonic()
-            png = b.screenshot()
+            png, where, title, tree = b.observe(a11y)
             (out_dir / f"step-{out.steps:03d}.png").write_bytes(png)
-            out.url = where = b.where()
+            out.url = where
             head = f"{note}\n" if note else ""
-            text = f"Step {out.steps + 1} of {max_steps}. Page: {b.page.title()} ({where})"
-            if a11y:
-                text += "\n" + b.accessibility()
+            text = f"Step {out.steps + 1} of {max_steps}. Page: {title} ({where})"
+            if tree:
+                text += "\n" + tree
             stand_in = f"{head}[screenshot of {where} at step {out.steps + 1}]"
             history.observe(png, head + text, stand_in)
             browser_s += time.monotonic() - t

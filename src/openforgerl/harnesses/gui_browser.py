@@ -179,6 +179,28 @@ class Browser:
             self.page.wait_for_timeout(30)
         self.page.wait_for_load_state("load", timeout=NAV_TIMEOUT_S * 1000)
 
+    def observe(self, a11y: bool) -> tuple[bytes, str, str, str]:
+        """What the policy sees: (screenshot, where, title, accessibility text or "").
+
+        A navigation that commits while the page is read (a form post whose request left after
+        `settle` looked, on a loaded machine) destroys the page's context under the read: that is
+        the page still loading, not a broken browser, so it settles and reads the new page.
+        """
+        from playwright.sync_api import Error as PlaywrightError
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        deadline = time.monotonic() + NAV_TIMEOUT_S
+        while True:
+            try:
+                png = self.screenshot()
+                return png, self.where(), self.page.title(), self.accessibility() if a11y else ""
+            except PlaywrightTimeout:
+                raise
+            except PlaywrightError:
+                if time.monotonic() >= deadline:
+                    raise
+                self.settle()
+
     def screenshot(self) -> bytes:
         # caret "initial": the policy should see where the text cursor is.
         return bytes(self.page.screenshot(type="png", caret="initial", timeout=NAV_TIMEOUT_S * 1000))
