@@ -8,13 +8,15 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The harness every demo phase runs inside: the built-in ReAct loop, or an agent CLI
 # (`make demo HARNESS=mini-swe-agent`, `HARNESS=pi`), installed first at its pinned version.
 HARNESS ?= react
-# A named set of the demo's settings (`make demo RECIPE=smollm2`: the pretrained student), and any
-# further settings (`ARGS="--rl-steps 10 --seed 1"`; every one: python -m openforgerl.demo --help).
-RECIPE ?=
-# The engine of every phase that generates: builtin, or vllm (its CPU build, in .venv-vllm, built first).
-ENGINE ?= builtin
+# A named set of the demo's settings: smollm2 (the pretrained SmolLM2-135M-Instruct student and the
+# recipe where RL beats SFT) or tiny (the kit's tiny model: faster, and RL does not beat SFT there),
+# and any further settings (`ARGS="--rl-steps 10 --seed 1"`; every one: python -m openforgerl.demo --help).
+RECIPE ?= smollm2
+# The engine of every phase that generates: builtin, or vllm (its CPU build, in .venv-vllm, built first;
+# SmolLM2's default: the built-in engine takes hours for it).
+ENGINE ?= $(if $(filter smollm2,$(RECIPE)),vllm,builtin)
 ARGS ?=
-DEMO_DIR ?= runs/demo$(if $(RECIPE),-$(RECIPE))$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
+DEMO_DIR ?= runs/demo$(if $(filter-out smollm2,$(RECIPE)),-$(RECIPE))$(if $(filter-out react,$(HARNESS)),-$(HARNESS))
 
 .PHONY: venv demo demo-quick test lint typecheck unit sysdeps test-vllm test-verl bench clean
 
@@ -28,8 +30,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## The main job on the embedded default: a tiny model learns tools-tiny (oracle SFT, then GRPO) in local
-## sandboxes through the gateway; runs/demo/report.md holds the before/after table and the reward curve.
+## The main job on the embedded trainer: SmolLM2-135M-Instruct learns tools-tiny (oracle SFT, then GRPO)
+## in local sandboxes through the gateway; runs/demo/report.md holds the before/after tables and curves.
 demo: $(STAMP) sysdeps $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
 	$(if $(filter-out react,$(HARNESS)),$(BIN)/openforge harness install $(HARNESS))
 	$(BIN)/python -m openforgerl.demo $(if $(RECIPE),--recipe $(RECIPE)) --harness $(HARNESS) \

@@ -82,7 +82,7 @@ def _rft_data(cfg: demo.DemoConfig, sft_dir: Path, out: Path) -> Any:
     return rejection_sampling_data(
         sft_dir,
         out / "baselines" / "rft-data",
-        tasks=cfg.train_suite,
+        tasks=cfg.rl_suite,  # RL's tasks, in RL's wordings: the same rollout budget on the same draw
         n_tasks=cfg.rl_steps * cfg.rl_batch_tasks,
         group=cfg.rl_group,
         temperature=cfg.temperature,

@@ -256,9 +256,9 @@ def main() -> None:
         raise SystemExit(f"the steps ran tasks the recomputed draw lacks: {sorted(recorded - set(trained))}")
     from openforgerl.tasks import load_tasks
 
-    pool = [t.id for t in load_tasks(cfg.train_suite, split="train") if t.id not in set(trained)]
+    pool = [t.id for t in load_tasks(cfg.rl_suite, split="train") if t.id not in set(trained)]
     fresh = random.Random(f"fresh:{args.seed}").sample(pool, args.fresh or len(trained))
-    teacher = {t.id for t in load_tasks(cfg.train_suite, split="train")[: cfg.teacher_tasks]}
+    teacher = {t.id for t in load_tasks(cfg.teacher_suite, split="train")[: cfg.teacher_tasks]}
     result: dict[str, Any] = {
         "run": str(run),
         "rl_model": str(rl_model),
@@ -268,7 +268,7 @@ def main() -> None:
     for name, ids in (("trained", trained), ("fresh", fresh)):
         tasks_file = diag / f"{name}.jsonl"
         if not tasks_file.exists():
-            write_task_file(ids, cfg.train_suite, tasks_file)
+            write_task_file(ids, cfg.rl_suite, tasks_file)
         sft = evaluate(cfg, run / "sft", tasks_file, diag / f"sft-{name}", args.n)
         if args.sft_only:
             print(

@@ -56,15 +56,24 @@ def test_every_demo_setting_is_an_option_and_a_recipe_yields_to_the_options_give
     assert isinstance(result.exception, Stop), result.output
     (cfg,) = seen
     assert cfg.pretrained == "smollm2-135m-instruct" and cfg.rl_lr == demo.RECIPES["smollm2"]["rl_lr"]
+    assert (cfg.teacher_suite, cfg.rl_suite) == ("tools-tiny", "tools-tiny-varied")  # `make demo`'s
     assert cfg.rl_steps == 9 and cfg.greedy_eval is False and cfg.eval_tasks is None  # given: they win
     assert cfg.out == tmp_path / "d" and cfg.until == "sft"
     assert cfg.sft_eval_every == demo.DemoConfig.sft_eval_every  # in neither: the default
     result = CliRunner().invoke(command.demo_cmd, ["--quick", "--seed", "3"])
     assert isinstance(result.exception, Stop) and seen[-1].teacher_tasks == demo.QUICK["teacher_tasks"]
     assert seen[-1].seed == 3
+    result = CliRunner().invoke(command.demo_cmd, ["--recipe", "tiny", "--out", str(tmp_path / "t")])
+    assert isinstance(result.exception, Stop)  # `make demo RECIPE=tiny`: the defaults, the tiny model
+    assert seen[-1] == demo.DemoConfig(out=tmp_path / "t")
     for bad in (["--quick", "--recipe", "smollm2"], ["--rl-lr", "0"], ["--size", "huge"]):
         result = CliRunner().invoke(command.demo_cmd, bad)
-        assert result.exit_code == 2 and len(seen) == 2, (bad, result.output)
+        assert result.exit_code == 2 and len(seen) == 3, (bad, result.output)
+    # The recipe's RL tasks and --faults' contradict: the error says how to have the faults.
+    result = CliRunner().invoke(command.demo_cmd, ["--recipe", "smollm2", "--faults"])
+    assert result.exit_code == 2 and "--no-rl-varied" in result.output
+    result = CliRunner().invoke(command.demo_cmd, ["--recipe", "smollm2", "--faults", "--no-rl-varied"])
+    assert isinstance(result.exception, Stop) and seen[-1].faults and seen[-1].rl_suite == "tools-tiny-faults"
 
 
 def test_demo_rl_settings_reach_the_trainer(tmp_path: Path) -> None:
@@ -97,7 +106,7 @@ def test_rl_varied_moves_rl_to_the_paraphrased_suite_and_leaves_the_teacher_on_t
     assert demo.rl_options(demo.DemoConfig(), *args).tasks == "tools-tiny"
     varied = demo.DemoConfig(rl_varied=True)
     assert demo.rl_options(varied, *args).tasks == "tools-tiny-varied"
-    assert varied.train_suite == "tools-tiny"  # what the teacher solves for SFT
+    assert varied.teacher_suite == "tools-tiny"  # what the teacher solves for SFT
     with pytest.raises(ValueError, match="choose one"):
         demo.DemoConfig(rl_varied=True, faults=True)
     monkeypatch.setattr(command.pipeline, "run", lambda cfg: pytest.fail("ran with contradicting settings"))

@@ -1,4 +1,4 @@
-"""`make demo`: the main job on one CPU — a tiny model learns tools-tiny by SFT, then GRPO
+"""`make demo`: the main job on one CPU — a student model learns tools-tiny by SFT, then GRPO
 (`python -m openforgerl.demo`; the phases: pipeline.py).
 
 - `config.py`: the demo's settings (DemoConfig, QUICK) and the GRPO run they make

