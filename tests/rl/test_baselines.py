@@ -122,20 +122,28 @@ def test_sft_continued_for_the_same_compute(tiny_model_dir: Path, tmp_path: Path
     assert (tmp_path / "sft2" / "config.json").is_file()
 
 
+@pytest.mark.parametrize(
+    ("suite", "split", "limit"),
+    [
+        ("tools-tiny-reworded", "heldout", 3),  # SFT validation data there (never training data)
+        ("tools-tiny-varied", "train", 22),  # the first task of each family in each of 4 wordings
+    ],
+)
 def test_reworded_tasks_are_solved_by_the_oracle_teacher_through_the_gateway(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, suite: str, split: str, limit: int
 ) -> None:
-    """The teacher finds a reworded task by its instruction: its trajectories can serve as SFT
-    validation data on tools-tiny-reworded (never as training data)."""
+    """The teacher finds a task by its instruction, however it is worded: every one is solved and
+    ends in a submit."""
+    chosen = load_tasks(suite, split)[:limit]  # type: ignore[arg-type]
+    if suite == "tools-tiny-varied":
+        assert {t.metadata.get("wording", 0) for t in chosen} == {0, 1, 2, 3}
     samples = oracle_samples(
-        tiny_model_dir,
-        tmp_path / "teacher",
-        tasks="tools-tiny-reworded",
-        split="heldout",
-        limit=3,
-        concurrency=3,
-        progress=False,
+        tiny_model_dir, tmp_path / "teacher", tasks=suite, split=split, limit=limit, progress=False
     )
-    assert len(samples) == 3
+    assert len({s.rollout_id for s in samples}) == limit
     engine = OracleTeacherEngine(tiny_model_dir, [])
-    assert all('"name": "submit"' in _trained_text(engine, s) for s in samples)
+    texts = [_trained_text(engine, s) for s in samples]
+    assert all('"name": "submit"' in t for t in texts)
+    prompts = [engine.tokenizer.decode(s.input_ids) for s in samples]
+    for task in chosen:  # a trajectory for each task, in its own sentence
+        assert any(task.instruction in p for p in prompts), task.instruction
