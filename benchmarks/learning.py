@@ -160,7 +160,10 @@ def baselines(
         # Also on the reworded set where the demo evaluates it: RL trained on varied wording may
         # beat there a baseline that beats it on tools-tiny's sentences.
         runs = [(name, False, demo.SUITE), (f"{name}-greedy", True, demo.SUITE)]
-        runs += [(f"{name}-reworded", False, demo.REWORDED_SUITE)] * cfg.reworded_eval
+        ours = ["sft", "sft-greedy", "rl", "rl-greedy"]
+        if cfg.reworded_eval:
+            runs.append((f"{name}-reworded", False, demo.REWORDED_SUITE))
+            ours.append("rl-reworded")
         for key, greedy, suite in runs:
             report_file = out / "eval" / key / "report.json"
             if not report_file.exists():
@@ -168,7 +171,6 @@ def baselines(
                 demo.evaluate_model(cfg, model, key, greedy, suite)
                 took(f"eval-{key}", t0)
             evals[key] = json.loads(report_file.read_text())
-        ours = ("sft", "sft-greedy", "rl", "rl-greedy") + ("rl-reworded",) * cfg.reworded_eval
         all_evals = {**evals, **{k: _read_eval(out, k) for k in ours}}
         result[name] = {
             "steps": summary["steps"],

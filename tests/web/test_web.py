@@ -774,9 +774,8 @@ def test_a_scripted_policy_solves_and_fails_tasks_through_the_runner(
     }
     for task_id in SOLVED:
         status, outcome, reward, _, tail = report[task_id]
-        result = json.loads(tail.strip().splitlines()[-1])
-        assert (status, outcome, reward) == (Status.DONE, "ok", 1.0), (task_id, result["errors"], result)
-        assert result["stopped"] == "answered"
+        assert (status, outcome, reward) == (Status.DONE, "ok", 1.0), f"{task_id}: {tail}"  # with its errors
+        assert json.loads(tail.strip().splitlines()[-1])["stopped"] == "answered"
     settings_verdict, wiki_verdict = report[SABOTAGED[0]][3], report[SABOTAGED[1]][3]
     assert (
         report[SABOTAGED[0]][:3] == (Status.DONE, "ok", 0.0) and "never saved" in settings_verdict["reason"]

@@ -46,9 +46,8 @@ def demo_config(recipe: str | None, given: dict[str, Any]) -> DemoConfig:
     type=click.Choice(sorted(RECIPES)),
     default=None,
     help="Start from a named set of settings: quick (toy sizes, proves the pipeline in minutes), "
-    "smollm2 (the pretrained SmolLM2-135M-Instruct student and its measured recipe; `make demo`'s), tiny "
-    "(the defaults: the kit's tiny model). Options given "
-    "beside it win.",
+    "smollm2 (the pretrained SmolLM2-135M-Instruct student and its measured recipe; `make demo`'s), "
+    "tiny (the defaults: the kit's tiny model). Options given beside it win.",
 )
 @click.option("--quick", is_flag=True, help="The same as --recipe quick.")
 @config_options(DemoConfig)
