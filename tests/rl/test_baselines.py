@@ -71,7 +71,16 @@ def test_rejection_sampling_keeps_the_passed_rollouts_samples_only(
     assert [(s.input_ids, s.loss_mask) for s in loaded] == [(s.input_ids, s.loss_mask) for s in data]
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["rollouts"], summary["passed"], summary["samples"]) == (6, 3, 3)
-    # A rerun finds every rollout done in the runner's state: none is redone, the same data comes back.
+    # A rerun of the finished data reads it back: the same samples and counts, no engine started
+    # (an engine spec that cannot start would raise).
+    again = rejection_sampling_data(
+        tiny_model_dir, out, n_tasks=3, group=2, skip_tasks=400, concurrency=4, progress=False, engine="no"
+    )
+    assert [(s.input_ids, s.loss_mask) for s in again] == [(s.input_ids, s.loss_mask) for s in data]
+    assert (again.task_ids, again.summary()) == (data.task_ids, data.summary())
+    # Interrupted after its rollouts (no summary yet): a rerun finds every rollout done in the
+    # runner's state, none is redone, and the same data comes back.
+    (out / "summary.json").unlink()
     again = rejection_sampling_data(
         tiny_model_dir, out, n_tasks=3, group=2, skip_tasks=400, concurrency=4, progress=False, engine=engine
     )
