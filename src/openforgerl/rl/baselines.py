@@ -117,8 +117,8 @@ def rejection_sampling_data(
         from openforgerl.rl.sft import load_sft_data
 
         done = json.loads(finished.read_text())
-        kept = load_sft_data(out_dir / SAMPLES_FILE, model_dir)
-        return RejectionSamples(kept, [t.id for t in chosen], done["rollouts"], done["passed"])
+        samples = load_sft_data(out_dir / SAMPLES_FILE, model_dir)
+        return RejectionSamples(samples, [t.id for t in chosen], done["rollouts"], done["passed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     run = RunFolder(out_dir)
     with serving(
