@@ -112,11 +112,11 @@ def rejection_sampling_data(
     )
     chosen = step_tasks(training_tasks(opts), 0, n_tasks, seed)
     finished = out_dir / SUMMARY_FILE
-    if finished.exists() and json.loads(finished.read_text())["tasks"] == len(chosen):
+    done = json.loads(finished.read_text()) if finished.exists() else {}
+    if done.get("tasks") == len(chosen):
         # Done before: its samples from the file, without starting an engine (a server takes minutes).
         from openforgerl.rl.sft import load_sft_data
 
-        done = json.loads(finished.read_text())
         samples = load_sft_data(out_dir / SAMPLES_FILE, model_dir)
         return RejectionSamples(samples, [t.id for t in chosen], done["rollouts"], done["passed"])
     out_dir.mkdir(parents=True, exist_ok=True)
