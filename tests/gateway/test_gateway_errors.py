@@ -231,3 +231,37 @@ def test_injected_faults_are_answered_once_each(gw: Any) -> None:
     httpx.post(faults, json={"errors": [429]}, headers=gw.admin_headers)
     client = OpenAI(base_url=ro["base_url"] + "/v1", api_key=ro["api_key"], max_retries=2)
     assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]).choices
+
+
+class _ServerLikeEngine(ScriptEngine):
+    """Starts as a server engine does (a vLLM CPU build compiles its graphs first): slower than the
+    gateway's own start, within a deadline of its own."""
+
+    def __init__(self, model_dir: Path, start_s: float, start_timeout: float) -> None:
+        super().__init__(model_dir)
+        self.start_s, self.start_timeout = start_s, start_timeout
+        self.started = False
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.start_s)
+        await super().start()
+        self.started = True
+
+
+def test_the_gateway_waits_as_long_as_its_engine_may_take_to_start(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in a learning run: a vLLM server starting on a slow machine (its own deadline 900 s)
+    outlasted the gateway's fixed 120 s wait, and the evaluation failed with "the gateway did not
+    start". The gateway's wait is now its own start plus the engine's deadline, and still bounded."""
+    from openforgerl.gateway import server
+
+    monkeypatch.setattr(server, "GATEWAY_START_S", 0.3)
+    slow = _ServerLikeEngine(tiny_model_dir, start_s=1.0, start_timeout=30.0)
+    with running_gateway(tiny_model_dir, tmp_path / "slow", slow) as g:
+        assert slow.started
+        assert new_rollout(g)["rollout_id"]
+    hung = _ServerLikeEngine(tiny_model_dir, start_s=30.0, start_timeout=0.5)
+    with pytest.raises(RuntimeError, match="did not start within 1 s"):
+        with running_gateway(tiny_model_dir, tmp_path / "hung", hung):
+            pass

@@ -107,6 +107,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+GATEWAY_START_S = 120.0  # the gateway's own start (a built-in engine loads its model in it)
+
+
 @dataclass
 class RunningGateway:
     url: str
@@ -128,7 +131,10 @@ def serve_in_thread(cfg: GatewayConfig, engine: Engine | None = None) -> Iterato
     cfg.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
     app, gateway = build_app(cfg, engine)
     config = uvicorn.Config(app, **server_options(cfg))
-    with uvicorn_in_thread(config, "the gateway", start_timeout=120, stop_timeout=60) as loop:
+    # The engine starts in the gateway's lifespan: a server engine (a vLLM CPU build compiles its
+    # graphs first) has a start deadline of its own, which the gateway's wait must not cut short.
+    wait = GATEWAY_START_S + float(getattr(gateway.core.engine, "start_timeout", 0.0))
+    with uvicorn_in_thread(config, "the gateway", start_timeout=wait, stop_timeout=60) as loop:
         yield RunningGateway(f"http://{cfg.host}:{cfg.port}", gateway, loop)
 
 
@@ -147,7 +153,8 @@ def uvicorn_in_thread(
     deadline = time.monotonic() + start_timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start")
+            server.should_exit = True  # one still starting stops as soon as it can, serving nothing
+            raise RuntimeError(f"{what} did not start within {start_timeout:.0f} s")
         time.sleep(0.02)
     try:
         yield loop
